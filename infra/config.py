@@ -1,0 +1,403 @@
+"""The run configuration: one pydantic model for everything a Sluice run needs.
+
+A run is described by a YAML file (``flows/configs/*.yaml``) plus ``--set key=value``
+overrides, validated here before anything heavy (torch, Prefect, MLflow) is imported,
+so a typo costs milliseconds and one line of error, not a minute of start-up.
+
+Every field has a docstring: Prefect renders them in the UI when the config is a flow
+parameter, and the resolved config is logged to MLflow for each run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "flows" / "configs"
+
+# Keys that existed under another name: an old key gets an error naming the new one.
+RENAMED_KEYS: dict[str, str] = {
+    "rollout.eta": "staleness.max_staleness",
+    "rollout.max_staleness": "staleness.max_staleness",
+    "trainer.batch_size": "trainer.prompts_per_batch",
+    "trainer.max_tokens_per_mb": "trainer.max_tokens_per_micro_batch",
+    "rollout.n_samples": "rollout.group_size",
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot run, with a one-line message that says how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the embedded tiny policy, built from a config when no model path is given."""
+
+    arch: Literal["llama", "qwen2"] = "llama"
+    """Hugging Face architecture of the tiny model."""
+    hidden_size: int = Field(128, ge=8, le=4096)
+    """Width of the residual stream."""
+    num_layers: int = Field(4, ge=1, le=64)
+    """Number of transformer blocks."""
+    num_heads: int = Field(4, ge=1, le=64)
+    """Attention heads; must divide hidden_size."""
+    intermediate_size: int = Field(384, ge=8)
+    """MLP width."""
+    max_position_embeddings: int = Field(512, ge=32)
+    """Longest prompt+response the model can see, in tokens."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    """The policy: a local Hugging Face directory, or the embedded tiny model."""
+
+    path: str | None = None
+    """Local Hugging Face causal-LM directory (config + safetensors + tokenizer). None builds the embedded tiny model."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the embedded tiny model (ignored when `path` is set)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training and inference. float32 on CPU."""
+    warm_start: bool = True
+    """Run a short supervised pass on the built-in task when no warm checkpoint is cached (embedded model only)."""
+    warm_start_max_minutes: float = Field(4.0, gt=0)
+    """Wall-clock budget of the warm start, in minutes."""
+    warm_start_target_accuracy: float = Field(0.3, gt=0, lt=1)
+    """Stop the warm start once greedy held-out accuracy reaches this (leave RL room to climb)."""
+
+
+class ProblemConfig(_Section):
+    """What the policy is asked to solve."""
+
+    name: str = "longtail_sum"
+    """Built-in task name, used when `dataset` is None."""
+    dataset: str | None = None
+    """A .jsonl or .parquet file of rows with `prompt` and `answer` (extra columns reach the verifier)."""
+    eval_dataset: str | None = None
+    """Held-out rows in the same format; defaults to a held-out split of the built-in task."""
+    num_eval_prompts: int = Field(64, ge=1)
+    """Held-out prompts per evaluation."""
+    eval_samples: int = Field(1, ge=1)
+    """Samples per held-out prompt; pass@1 is averaged over them."""
+
+
+class RolloutConfig(_Section):
+    """Generation: sampling, group size, inference servers, weight reloads."""
+
+    group_size: int = Field(8, ge=1, le=1024)
+    """Responses sampled per prompt (G in GRPO)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Longest response, in tokens; longer ones end with finish_reason=length."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer recomputes log-probs at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling (-1 = off)."""
+    server_urls: list[str] = []
+    """SGLang-compatible servers. Empty starts the embedded inference server in the rollout process."""
+    max_batch_size: int = Field(64, ge=1)
+    """Concurrent sequences in the embedded engine (continuous-batching slots)."""
+    interruptible: bool = True
+    """Pause in-flight generation for a weight update and recompute KV (True), or drain it first (False)."""
+    pause_mode: Literal["in_place", "retract", "abort"] = "retract"
+    """How in-flight requests are held during a weight update when interruptible."""
+    poll_interval_s: float = Field(0.5, gt=0)
+    """How often the rollout side polls the registry alias for a newer committed version."""
+    groups_per_shard: int = Field(1, ge=1)
+    """Prompt groups per Arrow shard written to the rollouts stream."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one generate request."""
+
+
+class StalenessConfig(_Section):
+    """The admission rule floor(n / B) <= i + eta (DESIGN.md §1)."""
+
+    max_staleness: int = Field(4, ge=0, le=1000)
+    """eta: how many policy versions behind a trained batch may be. 0 = synchronous."""
+
+
+class RewardConfig(_Section):
+    """Scoring of responses."""
+
+    verifier: str = "builtin"
+    """`builtin`, `math`, `code`, or an import path `package.module:function(row, response_text) -> float`."""
+    correct_reward: float = 1.0
+    """Reward of a verified-correct response."""
+    incorrect_reward: float = 0.0
+    """Reward of a wrong, unparsable or timed-out response."""
+    num_workers: int = Field(1, ge=1, le=256)
+    """Verifier worker processes."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock limit per verifier call; a timeout scores `incorrect_reward`."""
+
+
+class LossConfig(_Section):
+    """Decoupled PPO objective (AReaL eq. 3)."""
+
+    decoupled: bool = True
+    """Use pi_prox as the trust-region anchor (True) or standard PPO with pi_old = pi_behav (False)."""
+    eps_clip_low: float = Field(0.2, ge=0, le=1)
+    """Lower clip of the ratio: 1 - eps_clip_low."""
+    eps_clip_high: float = Field(0.2, ge=0, le=10)
+    """Upper clip of the ratio: 1 + eps_clip_high (DAPO clip-higher when > eps_clip_low)."""
+    dual_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip bound for negative advantages (None = off)."""
+
+
+class CorrectionConfig(_Section):
+    """Rollout correction of the behaviour weight pi_prox / pi_behav."""
+
+    mode: Literal[
+        "none", "token_tis", "sequence_tis", "token_mis", "sequence_mis", "geometric_rs"
+    ] = "token_tis"
+    """Truncate (TIS) or mask (MIS, RS) importance weights that train-inference mismatch blows up."""
+    threshold: float = Field(2.0, gt=0)
+    """C: cap (TIS) or rejection bound (MIS) of the weight."""
+    geometric_lower: float = Field(0.999, gt=0)
+    """Lower bound of exp(mean log-ratio) for geometric rejection."""
+    geometric_upper: float = Field(1.001, gt=0)
+    """Upper bound of exp(mean log-ratio) for geometric rejection."""
+
+
+class AdvantageConfig(_Section):
+    """Group-relative advantages, broadcast to every response token."""
+
+    mode: Literal["grpo", "drgrpo", "rloo", "batch"] = "grpo"
+    """grpo: (r - mean) / std per group; drgrpo: no std; rloo: leave-one-out mean; batch: batch-level std."""
+    eps: float = Field(1e-6, gt=0)
+    """Added to the std to keep all-equal groups finite."""
+    drop_zero_variance_groups: bool = False
+    """Drop groups whose responses all got the same reward (they carry zero advantage)."""
+
+
+class TrainerConfig(_Section):
+    """Optimisation."""
+
+    prompts_per_batch: int = Field(8, ge=1)
+    """B: prompt groups per training step."""
+    ppo_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per training batch (PPO minibatches)."""
+    total_steps: int = Field(40, ge=1)
+    """Training steps (policy versions) in the run."""
+    lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-5, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    max_tokens_per_micro_batch: int = Field(8192, ge=16)
+    """Token budget of one packed micro-batch (dynamic micro-batching)."""
+    min_micro_batches: int = Field(1, ge=1)
+    """Lower bound on micro-batches per minibatch."""
+    publish_every: int = Field(1, ge=1)
+    """Commit a new policy version every K training steps."""
+    eval_every: int = Field(5, ge=0)
+    """Evaluate on held-out prompts every N steps (0 = only at the end)."""
+    loss: LossConfig = LossConfig()
+    """Policy loss."""
+    correction: CorrectionConfig = CorrectionConfig()
+    """Rollout correction of the behaviour importance weight."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage estimator."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: plain torch (CPU/one GPU) or Megatron-core (optional extra)."""
+
+
+class StorageConfig(_Section):
+    """Where streams and checkpoints live."""
+
+    url: str = "file://.sluice/runs"
+    """fsspec URL root: file://, s3://bucket/prefix, memory:// (tests)."""
+    options: dict[str, Any] = {}
+    """fsspec storage options (e.g. s3 endpoint_url, key, secret)."""
+
+
+class TrackingConfig(_Section):
+    """MLflow: metrics, config and the checkpoint registry."""
+
+    uri: str = "sqlite:///.sluice/mlflow.db"
+    """MLflow tracking URI (sqlite file by default, or http://host:5000)."""
+    artifact_location: str | None = ".sluice/mlartifacts"
+    """Artifact root for a new experiment (None = server default)."""
+    experiment: str = "sluice"
+    """MLflow experiment name."""
+    registered_model: str = "sluice-policy"
+    """Registered model whose versions are the committed policy versions."""
+    alias: str = "latest"
+    """Alias that points at the newest committed policy version."""
+
+
+class RunConfig(BaseModel):
+    """A whole Sluice run."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    name: str = Field("sluice", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+    """Run name; streams and checkpoints live under {storage.url}/{name}."""
+    seed: int = 0
+    """Seeds prompts, sampling, initialisation and training."""
+    workdir: str = ".sluice"
+    """Local directory for caches (warm-start model, fetched checkpoints)."""
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    """Compute device for the embedded engine and trainer."""
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+    problem: ProblemConfig = ProblemConfig()
+    """Prompts and held-out prompts."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Generation."""
+    staleness: StalenessConfig = StalenessConfig()
+    """Staleness bound."""
+    reward: RewardConfig = RewardConfig()
+    """Scoring."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Optimisation."""
+    storage: StorageConfig = StorageConfig()
+    """Object storage for streams and checkpoints."""
+    tracking: TrackingConfig = TrackingConfig()
+    """MLflow tracking and registry."""
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """Dotted keys -> values, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_valid_keys(ann, dotted + "."))
+    return keys
+
+
+def _closest(key: str) -> str:
+    if key in RENAMED_KEYS:
+        return f"; it was renamed to '{RENAMED_KEYS[key]}'"
+    valid = _valid_keys(RunConfig)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not match:
+        leaf = key.rsplit(".", 1)[-1]
+        match = [k for k in valid if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value: YAML scalars/lists/maps (`4`, `true`, `null`, `[a, b]`), else a string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `key.sub=value` to a nested dict in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got '{assignment}'")
+    key, _, raw = assignment.partition("=")
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set expects key=value, got '{assignment}'")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{key}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = parse_value(raw)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown config key '{key}'{_closest(key)}"
+    value = first.get("input")
+    shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    where = f"'{key}'" if key else "config"
+    return f"{source}: invalid value for {where} = {shown}: {first['msg']}{more}"
+
+
+def resolve_config_path(name_or_path: str | None) -> Path | None:
+    """A config file path, or the name of a config in flows/configs (with or without .yaml)."""
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
+        if candidate.exists():
+            return candidate
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file '{name_or_path}' not found (built-in configs: {', '.join(known)})")
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Load a YAML config (or defaults), apply `key=value` overrides, validate.
+
+    Raises ConfigError with one line naming the bad key or value.
+    """
+    data: dict[str, Any] = {}
+    source = "config"
+    resolved = resolve_config_path(str(path)) if path is not None else None
+    if resolved is not None:
+        source = str(resolved)
+        try:
+            loaded = yaml.safe_load(resolved.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{source}:{where} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of config sections")
+        data = loaded
+    for assignment in overrides:
+        apply_override(data, assignment)
+    if overrides:
+        source = f"{source} with --set" if resolved else "--set"
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None

@@ -1,0 +1,104 @@
+"""Every bad-input path of the config gives one clear line; good input round-trips."""
+
+import subprocess
+import sys
+
+import pytest
+
+from infra.config import CONFIG_DIR, ConfigError, RunConfig, load_config
+
+
+def test_builtin_configs_validate():
+    for path in CONFIG_DIR.glob("*.yaml"):
+        assert isinstance(load_config(path), RunConfig)
+
+
+def test_override_sets_nested_values_with_yaml_types():
+    cfg = load_config(
+        "default",
+        [
+            "staleness.max_staleness=0",
+            "trainer.loss.decoupled=false",
+            "rollout.server_urls=[http://a:1, http://b:2]",
+            "model.path=null",
+            "trainer.lr=3e-4",
+        ],
+    )
+    assert cfg.staleness.max_staleness == 0
+    assert cfg.trainer.loss.decoupled is False
+    assert cfg.rollout.server_urls == ["http://a:1", "http://b:2"]
+    assert cfg.model.path is None
+    assert cfg.trainer.lr == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.lrr=1"], "unknown config key 'trainer.lrr'; did you mean 'trainer.lr'?"),
+        (["rolout.group_size=4"], "unknown config key 'rolout'; did you mean 'rollout'?"),
+        (["group_size=4"], "did you mean 'rollout.group_size'?"),
+        (["rollout.eta=3"], "it was renamed to 'staleness.max_staleness'"),
+        (["trainer.lr=abc"], "invalid value for 'trainer.lr' = \"abc\""),
+        (["staleness.max_staleness=-1"], "greater than or equal to 0"),
+        (["model.tiny.num_heads=3"], "num_heads (3) must divide hidden_size (128)"),
+        (["trainer.correction.mode=foo"], "invalid value for 'trainer.correction.mode'"),
+        (["name=has space"], "invalid value for 'name'"),
+        (["x"], "--set expects key=value, got 'x'"),
+        (["=3"], "--set expects key=value"),
+        (["seed.deep=1"], "'seed' is a value, not a section"),
+    ],
+)
+def test_bad_override_gives_one_clear_line(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("default", overrides)
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_bad_yaml_file_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: line \d+ is not valid YAML"):
+        load_config(bad)
+
+
+def test_non_mapping_yaml_is_rejected(tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_missing_config_lists_builtin_names():
+    with pytest.raises(ConfigError, match="not found .built-in configs: .*default"):
+        load_config("no-such-config")
+
+
+def test_flat_dict_has_dotted_keys():
+    flat = load_config().to_flat_dict()
+    assert flat["trainer.loss.eps_clip_low"] == 0.2
+    assert "staleness.max_staleness" in flat
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann)
+
+    walk(RunConfig)
+
+
+def test_cli_fails_fast_with_one_line_before_heavy_imports():
+    code = (
+        "import sys; from flows.cli import main; rc = main(['train', '--set', 'trainer.lrr=1']);"
+        "heavy = [m for m in ('torch', 'prefect', 'mlflow') if m in sys.modules];"
+        "print(rc, heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2 []"
+    assert out.stderr.count("\n") == 1
+    assert "did you mean 'trainer.lr'" in out.stderr
