@@ -57,12 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run asynchronous RL (the main job)")
     _add_config_args(train)
-    train.add_argument("--resume", metavar="RUN", help="continue run RUN from its newest committed version")
-    train.add_argument("--sync", action="store_true", help="run the synchronous colocated baseline instead")
+    train.add_argument(
+        "--resume", metavar="RUN", help="continue run RUN from its newest committed version"
+    )
+    train.add_argument(
+        "--sync", action="store_true", help="run the synchronous colocated baseline instead"
+    )
 
-    evaluate = sub.add_parser("eval", help="evaluate a committed policy version on held-out prompts")
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a committed policy version on held-out prompts"
+    )
     _add_config_args(evaluate)
-    evaluate.add_argument("--version", type=int, default=None, help="policy version (default: newest)")
+    evaluate.add_argument(
+        "--version", type=int, default=None, help="policy version (default: newest)"
+    )
 
     serve = sub.add_parser("serve", help="serve the flows as Prefect deployments")
     _add_config_args(serve)

@@ -1,0 +1,347 @@
+"""The trainer step: π_prox recompute, then decoupled PPO over dynamic micro-batches.
+
+One call of :meth:`PolicyTrainer.train_step` is one policy version (AReaL §4):
+
+1. π_prox: one no-grad forward pass over the whole batch with the weights as they are
+   before this update, at the sampling temperature, so proximal and behaviour
+   log-probs are comparable token for token.
+2. Rollout correction of the behaviour weight π_prox/π_behav (engines.rollout_correction)
+   and the mismatch metrics (engines.metrics), once over the whole batch.
+3. PPO minibatches: each splits into dynamic micro-batches (AReaL Algorithm 1), packed
+   without padding; every micro-batch loss is divided by the minibatch's valid-token
+   count, so gradient accumulation equals the full-minibatch gradient exactly.
+
+The trainer never branches on an algorithm name: the loss and correction arrive as
+functions bound from config (`make_policy_loss`, `make_rollout_correction`).
+Departure: the full-vocabulary logits of a micro-batch are materialised, which is
+fine for small vocabularies; large-vocabulary models want a chunked log-softmax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engines.batching import (
+    PackedBatch,
+    dynamic_micro_batches,
+    pack_sequences,
+    register_packed_attention,
+)
+from engines.loss import PolicyLossFn, merge_micro_batch_metrics
+from engines.metrics import mismatch_metrics
+from engines.model import load_policy_dir
+from engines.rollout_correction import RolloutCorrectionFn
+
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """One scored response, as the trainer needs it."""
+
+    prompt_token_ids: Sequence[int] | np.ndarray
+    """Prompt tokens (context only, never in the loss)."""
+    response_token_ids: Sequence[int] | np.ndarray
+    """Sampled response tokens."""
+    behaviour_logprobs: Sequence[float] | np.ndarray
+    """log π_behav of each response token, recorded by the inference engine."""
+    advantage: float
+    """The sample's advantage, broadcast to every response token."""
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Optimisation settings of the trainer step (bound from `trainer.*` config)."""
+
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    adam_eps: float = 1e-5
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    temperature: float = 1.0
+    """Sampling temperature: log-probs are log_softmax(logits / temperature)."""
+    ppo_minibatches: int = 1
+    """Optimizer steps per train_step."""
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one packed micro-batch (prompt + response tokens)."""
+    min_micro_batches: int = 1
+    """Lower bound on micro-batches per minibatch."""
+    seed: int = 0
+    """Seeds the minibatch split."""
+
+
+@dataclass
+class _Batch:
+    """Samples of a step, flattened once."""
+
+    sequences: list[torch.Tensor]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    behaviour_logprobs: torch.Tensor  # flat over response tokens, in sample order
+    advantages: torch.Tensor  # flat over response tokens
+    response_offsets: list[int] = field(default_factory=list)  # start of each sample's tokens
+
+    def __post_init__(self) -> None:
+        self.response_offsets = [0, *np.cumsum(self.response_lens).tolist()]
+
+    def tokens_of(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.response_offsets[index] : self.response_offsets[index + 1]]
+
+
+class PolicyTrainer:
+    """Holds the policy being optimised and its AdamW state."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: TrainerSettings,
+        loss_fn: PolicyLossFn,
+        correction_fn: RolloutCorrectionFn | None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        decoupled: bool = True,
+    ):
+        self.settings = settings
+        self.loss_fn = loss_fn
+        self.correction_fn = correction_fn
+        self.decoupled = decoupled
+        self.device = torch.device(device)
+        self.model, self.tokenizer = load_policy_dir(model_dir, device=device, dtype=dtype)
+        # Varlen attention over packed rows: Σ l² instead of T², no cross-sequence leakage.
+        self.model.set_attn_implementation(register_packed_attention())
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=settings.lr,
+            betas=settings.adam_betas,
+            eps=settings.adam_eps,
+            weight_decay=settings.weight_decay,
+        )
+        self.steps_done = 0
+        self._generator = torch.Generator().manual_seed(settings.seed)
+        optimizer_path = Path(model_dir) / OPTIMIZER_FILE
+        if optimizer_path.exists():
+            self.optimizer.load_state_dict(torch.load(optimizer_path, map_location=self.device))
+        state_path = Path(model_dir) / TRAINER_STATE_FILE
+        if state_path.exists():
+            self.steps_done = int(json.loads(state_path.read_text()).get("steps_done", 0))
+
+    # ------------------------------------------------------------ log-probs
+
+    def _packed_logprobs(
+        self, batch: _Batch, indices: Sequence[int], packed: PackedBatch
+    ) -> torch.Tensor:
+        """log π(response tokens) of the samples in `indices`, flat and in that order."""
+        out = self.model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        )
+        logits = out.logits[0].float() / self.settings.temperature
+        # The token at position p is predicted by the logits at p - 1.
+        starts = packed.cu_seqlens[:-1].to(torch.int64)
+        positions = torch.cat(
+            [
+                torch.arange(batch.prompt_lens[i], batch.prompt_lens[i] + batch.response_lens[i])
+                + int(starts[k])
+                for k, i in enumerate(indices)
+            ]
+        ).to(logits.device)
+        targets = packed.input_ids[0, positions]
+        log_norm = torch.logsumexp(logits[positions - 1], dim=-1)
+        return logits[positions - 1].gather(-1, targets[:, None]).squeeze(-1) - log_norm
+
+    def _micro_batches(self, batch: _Batch, indices: Sequence[int]) -> list[list[int]]:
+        lengths = [batch.prompt_lens[i] + batch.response_lens[i] for i in indices]
+        plan = dynamic_micro_batches(
+            lengths, self.settings.max_tokens_per_micro_batch, self.settings.min_micro_batches
+        )
+        return [[indices[j] for j in mb] for mb in plan]
+
+    def _gather(self, batch: _Batch, flat: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        return torch.cat([batch.tokens_of(i, flat) for i in indices])
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: _Batch) -> torch.Tensor:
+        """log π of every response token under the current weights (flat, sample order)."""
+        self.model.eval()
+        result = torch.empty(batch.response_offsets[-1], dtype=torch.float32)
+        for mb in self._micro_batches(batch, list(range(len(batch.sequences)))):
+            packed = pack_sequences([batch.sequences[i] for i in mb]).to(self.device)
+            values = self._packed_logprobs(batch, mb, packed).cpu()
+            offset = 0
+            for i in mb:
+                n = batch.response_lens[i]
+                result[batch.response_offsets[i] : batch.response_offsets[i] + n] = values[
+                    offset : offset + n
+                ]
+                offset += n
+        self.model.train()
+        return result
+
+    # ------------------------------------------------------------ the step
+
+    @staticmethod
+    def make_batch(samples: Sequence[TrainingSample]) -> _Batch:
+        kept = [s for s in samples if len(s.response_token_ids) > 0]
+        if not kept:
+            raise ValueError("train_step got no sample with response tokens")
+        sequences, prompt_lens, response_lens, behaviour, advantages = [], [], [], [], []
+        for s in kept:
+            prompt = torch.as_tensor(np.asarray(s.prompt_token_ids), dtype=torch.int64)
+            response = torch.as_tensor(np.asarray(s.response_token_ids), dtype=torch.int64)
+            logprobs = torch.as_tensor(np.asarray(s.behaviour_logprobs), dtype=torch.float32)
+            if logprobs.numel() != response.numel():
+                raise ValueError(
+                    f"a sample has {response.numel()} response tokens but {logprobs.numel()} behaviour log-probs"
+                )
+            if prompt.numel() == 0:
+                raise ValueError(
+                    "a sample has an empty prompt; the first response token needs context"
+                )
+            sequences.append(torch.cat([prompt, response]))
+            prompt_lens.append(prompt.numel())
+            response_lens.append(response.numel())
+            behaviour.append(logprobs)
+            advantages.append(torch.full((response.numel(),), float(s.advantage)))
+        return _Batch(
+            sequences, prompt_lens, response_lens, torch.cat(behaviour), torch.cat(advantages)
+        )
+
+    def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
+        """One policy update over `samples`; returns plain-float metrics."""
+        started = time.perf_counter()
+        batch = self.make_batch(samples)
+        n = len(batch.sequences)
+        response_cu = torch.tensor(batch.response_offsets, dtype=torch.int64)
+        loss_mask = torch.ones(batch.response_offsets[-1], dtype=torch.bool)
+
+        proximal = self.compute_logprobs(batch)
+        prox_time = time.perf_counter() - started
+        weights: torch.Tensor | None = None
+        corrected_mask = loss_mask
+        if self.decoupled and self.correction_fn is not None:
+            correction = self.correction_fn(
+                proximal, batch.behaviour_logprobs, loss_mask, cu_seqlens=response_cu
+            )
+            weights, corrected_mask = correction.behaviour_weights, correction.loss_mask
+        metrics = mismatch_metrics(
+            proximal,
+            batch.behaviour_logprobs,
+            loss_mask,
+            cu_seqlens=response_cu,
+            behaviour_weights=weights,
+            corrected_loss_mask=corrected_mask,
+        )
+
+        order = torch.randperm(n, generator=self._generator).tolist()
+        minibatches = [
+            order[k :: self.settings.ppo_minibatches] for k in range(self.settings.ppo_minibatches)
+        ]
+        loss_parts: list[dict[str, torch.Tensor]] = []
+        grad_norms = []
+        micro_batch_count = 0
+        for minibatch in minibatches:
+            if not minibatch:
+                continue
+            num_global_tokens = sum(batch.response_lens[i] for i in minibatch)
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self._micro_batches(batch, minibatch):
+                micro_batch_count += 1
+                packed = pack_sequences([batch.sequences[i] for i in mb]).to(self.device)
+                logprobs = self._packed_logprobs(batch, mb, packed)
+                mb_weights = (
+                    self._gather(batch, weights, mb).to(self.device)
+                    if weights is not None
+                    else None
+                )
+                loss, parts = self.loss_fn(
+                    logprobs,
+                    self._gather(batch, proximal, mb).to(self.device),
+                    self._gather(batch, batch.behaviour_logprobs, mb).to(self.device),
+                    self._gather(batch, batch.advantages, mb).to(self.device),
+                    self._gather(batch, corrected_mask, mb).to(self.device),
+                    num_global_tokens,
+                    behaviour_weights=mb_weights,
+                )
+                loss.backward()
+                loss_parts.append(parts)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.settings.grad_clip
+            )
+            grad_norms.append(float(grad_norm))
+            if math.isfinite(grad_norms[-1]):
+                self.optimizer.step()
+        self.steps_done += 1
+        metrics.update(merge_micro_batch_metrics(loss_parts))
+        # Each minibatch's loss sums to its own token mean: report the mean over minibatches.
+        metrics["loss/policy_loss"] = metrics.get("loss/policy_loss", 0.0) / max(
+            1, len(minibatches)
+        )
+        elapsed = time.perf_counter() - started
+        trained_tokens = int(sum(len(s) for s in batch.sequences))
+        metrics.update(
+            {
+                "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+                "train/grad_norm_max": float(np.max(grad_norms)) if grad_norms else 0.0,
+                "train/samples": float(n),
+                "train/response_tokens": float(batch.response_offsets[-1]),
+                "train/trained_tokens": float(trained_tokens),
+                "train/micro_batches": float(micro_batch_count),
+                "train/step_time_s": elapsed,
+                "train/proximal_time_s": prox_time,
+                "train/trained_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
+            }
+        )
+        return metrics
+
+    def response_logprobs(self, samples: Sequence[TrainingSample]) -> list[np.ndarray]:
+        """log π of each sample's response tokens under the current weights (no grad)."""
+        batch = self.make_batch(samples)
+        flat = self.compute_logprobs(batch)
+        return [batch.tokens_of(i, flat).numpy() for i in range(len(batch.sequences))]
+
+    def save(
+        self,
+        out_dir: str | Path,
+        *,
+        include_optimizer: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write an HF model directory (+ optimizer state) that inference engines load."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+        if include_optimizer:
+            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        state = {"steps_done": self.steps_done, **(extra or {})}
+        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+        return out
+
+
+def build_trainer(
+    model_dir: str | Path,
+    settings: TrainerSettings,
+    loss_fn: PolicyLossFn,
+    correction_fn: Callable[..., Any] | None,
+    **kwargs: Any,
+) -> PolicyTrainer:
+    return PolicyTrainer(model_dir, settings, loss_fn, correction_fn, **kwargs)

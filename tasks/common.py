@@ -1,0 +1,179 @@
+"""What every long-lived role shares: where the run lives, how it stops, how it reports.
+
+Roles talk only through storage URLs and the tracking URI (DESIGN.md §2), so the
+only shared state here is naming: stream and checkpoint locations under
+``{storage.url}/{run}``, a control prefix for the stop marker, and one status
+document per role that the flow reads to draw progress. Status and control live on
+the same object storage as the streams, so a role on another machine reports the
+same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from infra.config import RunConfig
+
+ROLES = ("rollout", "reward", "train", "evaluate")
+log = logging.getLogger("sluice")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every location of one run, derived from the storage root and the run id."""
+
+    root: str
+    run: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.root.rstrip('/')}/{self.run}"
+
+    @property
+    def checkpoints(self) -> str:
+        return f"{self.prefix}/checkpoints"
+
+    def checkpoint(self, policy_version: int) -> str:
+        return f"{self.checkpoints}/v{policy_version:06d}"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}/_control"
+
+    def status(self, role: str) -> str:
+        return f"{self.prefix}/_status/{role}.json"
+
+
+def run_paths(config: RunConfig, run_id: str) -> RunPaths:
+    return RunPaths(root=config.storage.url, run=run_id)
+
+
+def registered_model_name(config: RunConfig, run_id: str) -> str:
+    """One registered model per run, so policy versions of two runs never collide."""
+    return f"{config.tracking.registered_model}-{run_id}"
+
+
+def filesystem(config: RunConfig, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    options = dict(config.storage.options)
+    if url.startswith("s3://"):
+        options.setdefault("use_listings_cache", False)
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs, path
+
+
+def write_json(config: RunConfig, url: str, payload: dict[str, Any]) -> None:
+    """Whole-object write: a reader sees the old document or the new one, never half."""
+    fs, path = filesystem(config, url)
+    data = json.dumps(payload, default=str).encode()
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    else:
+        fs.pipe(path, data)
+
+
+def read_json(config: RunConfig, url: str) -> dict[str, Any] | None:
+    fs, path = filesystem(config, url)
+    try:
+        fs.invalidate_cache()
+        return json.loads(fs.cat_file(path))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class RunControl:
+    """Stop signals for a role: SIGTERM/SIGINT, or the run's `done` marker on storage."""
+
+    def __init__(self, config: RunConfig, paths: RunPaths):
+        self.config = config
+        self.paths = paths
+        self._stop = threading.Event()
+        self._last_marker_check = 0.0
+
+    def install_signal_handlers(self) -> None:
+        def handle(signum: int, _frame: Any) -> None:
+            log.info("received signal %s: flushing and stopping", signum)
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def mark_done(self, reason: str) -> None:
+        write_json(
+            self.config, f"{self.paths.control}/done.json", {"reason": reason, "at": time.time()}
+        )
+
+    def done_marker(self) -> dict[str, Any] | None:
+        return read_json(self.config, f"{self.paths.control}/done.json")
+
+    def should_stop(self, check_marker_every_s: float = 1.0) -> bool:
+        if self._stop.is_set():
+            return True
+        now = time.monotonic()
+        if now - self._last_marker_check >= check_marker_every_s:
+            self._last_marker_check = now
+            if self.done_marker() is not None:
+                self._stop.set()
+        return self._stop.is_set()
+
+    def sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+
+class StatusReporter:
+    """Writes a role's small status document at most every `interval_s` seconds."""
+
+    def __init__(self, config: RunConfig, paths: RunPaths, role: str, interval_s: float = 1.0):
+        self.config = config
+        self.url = paths.status(role)
+        self.role = role
+        self.interval_s = interval_s
+        self.started_at = time.time()
+        self._last = 0.0
+        self.fields: dict[str, Any] = {"role": role, "pid": os.getpid(), "state": "starting"}
+
+    def update(self, force: bool = False, **fields: Any) -> None:
+        self.fields.update(fields)
+        now = time.monotonic()
+        if force or now - self._last >= self.interval_s:
+            self._last = now
+            self.fields["updated_at"] = time.time()
+            self.fields["uptime_s"] = time.time() - self.started_at
+            try:
+                write_json(self.config, self.url, self.fields)
+            except OSError as err:  # status is best effort; the data plane is not
+                log.warning("could not write status %s: %s", self.url, err)
+
+
+def read_statuses(config: RunConfig, paths: RunPaths) -> dict[str, dict[str, Any]]:
+    out = {}
+    for role in ROLES:
+        status = read_json(config, paths.status(role))
+        if status is not None:
+            out[role] = status
+    return out
+
+
+def configure_logging(role: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {role:>8} %(levelname).1s %(message)s",
+        datefmt="%H:%M:%S",
+    )

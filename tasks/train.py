@@ -1,0 +1,254 @@
+"""The train role: consume `scored` oldest first, B groups a step, publish versions.
+
+Per step: take exactly B prompt groups from the scored stream, compute group
+advantages, recompute π_prox and run the decoupled PPO step (engines.trainer). Every
+`publish_every` steps the weights are saved as a checkpoint, committed to the
+registry as the next policy version (only once durable), and then the shards that
+went into it are acknowledged with that version in the ledger meta.
+
+Exactly once: the checkpoint carries the list of shards it consumed. A crash after
+the commit but before the ack is repaired on restart by acking that list; a crash
+before the commit retrains those shards from the previous version, whose weights
+never saw them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from engines.advantages import make_advantage_fn
+from engines.loss import make_policy_loss
+from engines.rollout_correction import make_rollout_correction
+from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from infra.checkpoints import fetch_checkpoint, open_url, save_checkpoint
+from infra.config import RunConfig
+from infra.registry import CheckpointRegistry
+from infra.streams import ShardRef, StreamReader
+from infra.tracking import log_metrics
+from tasks.common import RunControl, StatusReporter, read_statuses, registered_model_name, run_paths
+
+log = logging.getLogger("sluice.train")
+SCORED = "scored"
+CONSUMED_FILE = "consumed_shards.json"
+
+
+def trainer_settings(config: RunConfig) -> TrainerSettings:
+    t = config.trainer
+    return TrainerSettings(
+        lr=t.lr,
+        adam_betas=t.adam_betas,
+        adam_eps=t.adam_eps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        temperature=config.rollout.temperature,
+        ppo_minibatches=t.ppo_minibatches,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        min_micro_batches=t.min_micro_batches,
+        seed=config.seed,
+    )
+
+
+def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
+    t = config.trainer
+    correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
+    device = "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return PolicyTrainer(
+        model_dir,
+        trainer_settings(config),
+        make_policy_loss(**t.loss.model_dump()),
+        correction,
+        device=device,
+        decoupled=t.loss.decoupled,
+    )
+
+
+def samples_from_table(table: pa.Table, config: RunConfig) -> tuple[list[TrainingSample], dict[str, float]]:
+    """Group advantages, then one TrainingSample per response."""
+    advantage_fn = make_advantage_fn(**config.trainer.advantage.model_dump())
+    rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
+    group_names = table.column("group_id").to_pylist()
+    codes = {g: i for i, g in enumerate(dict.fromkeys(group_names))}
+    result = advantage_fn(torch.as_tensor(rewards), group_ids=torch.tensor([codes[g] for g in group_names]))
+    prompts = table.column("prompt_token_ids").to_pylist()
+    responses = table.column("response_token_ids").to_pylist()
+    behaviour = table.column("behaviour_logprobs").to_pylist()
+    keep = result.keep_samples.tolist()
+    samples = [
+        TrainingSample(prompts[i], responses[i], behaviour[i], float(result.advantages[i]))
+        for i in range(table.num_rows)
+        if keep[i]
+    ]
+    lengths = np.array([len(r) for r in responses])
+    stats = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/zero_variance_groups": float(result.zero_variance_groups.sum()),
+        "reward/groups": float(len(codes)),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/length_p50": float(np.percentile(lengths, 50)),
+        "response/truncated_fraction": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
+    }
+    return samples, stats
+
+
+def staleness_stats(table: pa.Table, policy_version: int) -> dict[str, float]:
+    """How many versions behind the weights being updated each sample was generated."""
+    start = table.column("version_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    end = table.column("version_end").to_numpy(zero_copy_only=False).astype(np.int64)
+    lag = policy_version - start
+    return {
+        "staleness/min": float(lag.min()),
+        "staleness/mean": float(lag.mean()),
+        "staleness/max": float(lag.max()),
+        "staleness/stale_samples": float((lag > 0).sum()),
+        "rollout/partial_ratio": float((end != start).mean()),
+        "rollout/max_version_span": float((end - start).max()),
+    }
+
+
+class TrainRole:
+    def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str):
+        self.config = config
+        self.run_id = run_id
+        self.mlflow_run_id = mlflow_run_id
+        self.paths = run_paths(config, run_id)
+        self.control = RunControl(config, self.paths)
+        self.status = StatusReporter(config, self.paths, "train")
+        self.registry = CheckpointRegistry(
+            config.tracking.uri, registered_model_name(config, run_id), alias=config.tracking.alias,
+            storage_options=config.storage.options,
+        )
+        self.local_root = Path(config.workdir) / "runs" / run_id / "trainer"
+        self.reader = StreamReader(config.storage.url, run_id, SCORED, consumer="trainer",
+                                   storage_options=config.storage.options)
+
+    def reconcile_ledger(self, checkpoint_uri: str) -> None:
+        """Ack what the committed version consumed, in case the last run died before acking."""
+        try:
+            with open_url(f"{checkpoint_uri}/{CONSUMED_FILE}", storage_options=self.config.storage.options) as f:
+                names = json.loads(f.read())
+        except FileNotFoundError:
+            return
+        missing = [n for n in names if not self.reader.is_acked(n)]
+        if missing:
+            log.info("acking %d shards consumed by the committed version before the restart", len(missing))
+            self.reader.ack(missing, meta={"reconciled": True})
+
+    def next_batch(self, groups: int) -> tuple[pa.Table, list[ShardRef], float]:
+        """Exactly `groups` prompt groups, oldest first; returns the seconds spent waiting."""
+        tables, refs, have = [], [], 0
+        waited = 0.0
+        while have < groups:
+            if self.control.should_stop():
+                raise InterruptedError
+            batch = self.reader.read_next(max_groups=groups - have)
+            for err in batch.quarantined:
+                log.error("%s", err)
+            if not batch.refs:
+                t0 = time.monotonic()
+                self.control.sleep(0.05)
+                waited += time.monotonic() - t0
+                continue
+            tables.append(batch.table)
+            refs.extend(batch.refs)
+            have += batch.num_groups
+        return pa.concat_tables(tables, promote_options="permissive"), refs, waited
+
+    def publish(self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]) -> str:
+        local = self.local_root / f"v{version:06d}"
+        if local.exists():
+            shutil.rmtree(local)
+        trainer.save(local, extra={"policy_version": version})
+        (local / CONSUMED_FILE).write_text(json.dumps([r.name for r in consumed]))
+        uri = save_checkpoint(local, self.paths.checkpoint(version), storage_options=self.config.storage.options)
+        self.registry.commit(version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version)
+        self.reader.ack(consumed, meta={"policy_version": version})
+        # Keep the newest local copy only: the durable one is on storage.
+        for old in self.local_root.glob("v*"):
+            if old != local:
+                shutil.rmtree(old, ignore_errors=True)
+        return uri
+
+    def run(self) -> None:
+        cfg = self.config
+        latest = None
+        while latest is None:
+            if self.control.should_stop():
+                return
+            latest = self.registry.latest()
+            if latest is None:
+                time.sleep(cfg.rollout.poll_interval_s)
+        self.reconcile_ledger(latest.checkpoint_uri)
+        init_dir = fetch_checkpoint(latest.checkpoint_uri, self.local_root / "init",
+                                    storage_options=cfg.storage.options)
+        trainer = build_trainer(cfg, init_dir)
+        version = latest.policy_version
+        total = cfg.trainer.total_steps
+        B = cfg.trainer.prompts_per_batch
+        started = time.monotonic()
+        waited_total = 0.0
+        trained_tokens_total = 0.0
+        unpublished: list[ShardRef] = []
+        log.info("training from policy version %d to %d (B=%d)", version, total, B)
+        self.status.update(force=True, state="running", step=version)
+        while version < total:
+            try:
+                table, refs, waited = self.next_batch(B)
+            except InterruptedError:
+                break
+            waited_total += waited
+            samples, stats = samples_from_table(table, cfg)
+            stats.update(staleness_stats(table, version))
+            metrics = trainer.train_step(samples) if samples else {}
+            version += 1
+            unpublished.extend(refs)
+            trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
+            elapsed = time.monotonic() - started
+            metrics.update(stats)
+            metrics["train/idle_ratio"] = waited_total / max(1e-9, elapsed)
+            metrics["train/effective_tokens_per_s"] = trained_tokens_total / max(1e-9, elapsed)
+            metrics["train/wall_time_s"] = elapsed
+            rollout_status = read_statuses(cfg, self.paths).get("rollout", {})
+            for key in ("tokens_per_s", "idle_ratio", "partial_rollout_ratio", "weight_updates"):
+                if key in rollout_status:
+                    metrics[f"rollout/{key}"] = rollout_status[key]
+            if version % cfg.trainer.publish_every == 0 or version == total:
+                tags = {
+                    "staleness_mean": f"{stats['staleness/mean']:.3f}",
+                    "staleness_max": int(stats["staleness/max"]),
+                    "reward_mean": f"{stats['reward/mean']:.4f}",
+                }
+                uri = self.publish(trainer, version, unpublished, tags)
+                unpublished = []
+                log.info("step %d: reward %.3f, staleness %.2f, loss %.4f -> %s", version,
+                         stats["reward/mean"], stats["staleness/mean"],
+                         metrics.get("loss/policy_loss", float("nan")), uri)
+            log_metrics(cfg.tracking.uri, self.mlflow_run_id, metrics, step=version)
+            self.status.update(
+                state="running",
+                step=version,
+                reward_mean=stats["reward/mean"],
+                staleness_mean=stats["staleness/mean"],
+                trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
+                idle_ratio=metrics["train/idle_ratio"],
+                wall_time_s=elapsed,
+            )
+        if version >= total:
+            self.control.mark_done(f"trained {total} steps")
+        self.status.update(force=True, state="finished" if version >= total else "stopped", step=version)
+
+
+def train_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
+    role = TrainRole(config, run_id, mlflow_run_id)
+    role.control.install_signal_handlers()
+    role.run()

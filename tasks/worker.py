@@ -1,0 +1,40 @@
+"""Entry point of a role process: `python -m tasks.worker ROLE --config FILE --run-id RUN`.
+
+The config arrives as the resolved JSON the flow wrote, so every role of a run sees
+exactly the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from infra.config import RunConfig
+from tasks.common import ROLES, configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.worker")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--config", required=True, help="resolved run config (JSON)")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--mlflow-run-id", required=True)
+    args = parser.parse_args(argv)
+    configure_logging(args.role)
+    config = RunConfig.model_validate(json.loads(Path(args.config).read_text()))
+    if args.role == "rollout":
+        from tasks.rollout import rollout_loop as loop
+    elif args.role == "reward":
+        from tasks.reward import reward_loop as loop
+    elif args.role == "train":
+        from tasks.train import train_loop as loop
+    else:
+        from tasks.evaluate import evaluate_loop as loop
+    loop(config, args.run_id, args.mlflow_run_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
