@@ -1,0 +1,354 @@
+"""The checkpoint registry: committed policy versions as MLflow model versions.
+
+The trainer publishes policy version k by (1) saving the weights as a checkpoint
+(``infra.checkpoints.save_checkpoint``, manifest last) and (2) calling
+``CheckpointRegistry.commit``, which verifies the manifest, creates an MLflow model version
+whose source is the checkpoint URI, and moves an alias onto it. The rollout side polls
+``latest()`` (one indexed alias lookup) and reloads weights when the policy version grows;
+that poll is what gates reloads under the staleness bound (DESIGN.md §2).
+
+Guarantees:
+
+- No model version exists for a checkpoint whose manifest is missing or whose files are
+  missing or short: verification runs before anything is written to MLflow.
+- One policy version maps to at most one model version. ``commit`` is idempotent, so a
+  trainer that crashed anywhere inside it simply calls it again.
+- The alias never moves backwards: committing a policy version at or below the one the
+  alias points at is refused (it would mean a stale trainer is still publishing).
+
+Departures and choices:
+
+- MLflow 3 reserves the alias name ``latest`` (and ``v<digits>``); such a requested alias
+  is stored as ``sluice-<alias>`` (``mlflow_alias`` says which). Everything else in Sluice
+  keeps using the configured name.
+- ``commit`` checks presence and sizes against the manifest but, by default, does not
+  re-read every byte to re-hash it: that would make each commit of a multi-GB checkpoint
+  on S3 download it once more. Truncation (the real "not yet durable" failure) is caught
+  by the size check; corruption is caught by ``fetch_checkpoint``, which hashes while it
+  downloads. ``verify_hashes=True`` restores the full check.
+- One writer per registered model is assumed (the single trainer of a run). Two trainers
+  committing concurrently are not serialised beyond the monotonic-alias check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from pydantic import BaseModel, ConfigDict
+
+from infra.checkpoints import canonical_url, verify_checkpoint
+from infra.tracking import get_client
+
+TAG_POLICY_VERSION = "sluice.policy_version"
+TAG_TRAINER_STEP = "sluice.trainer_step"
+TAG_RUN_ID = "sluice.run_id"
+TAG_CHECKPOINT_DIGEST = "sluice.checkpoint_digest"
+RESERVED_TAGS = frozenset({TAG_POLICY_VERSION, TAG_TRAINER_STEP, TAG_RUN_ID, TAG_CHECKPOINT_DIGEST})
+
+_ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+_MLFLOW_RESERVED_ALIAS = re.compile(r"^(latest|[vV]\d+)$", re.IGNORECASE)
+# Far above any run's version count, far below MLflow's 200k page cap.
+_PAGE_SIZE = 1000
+
+
+class RegistryError(Exception):
+    """A registry operation was refused or failed; the message says which and why."""
+
+
+class PolicyVersionConflict(RegistryError, ValueError):
+    """A commit would move the alias backwards or re-point an already committed version."""
+
+
+class CommittedVersion(BaseModel):
+    """One committed policy version, as the rollout side and evaluators see it."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    policy_version: int
+    """Trainer-side policy version (0 = initial weights; the k-th update publishes k)."""
+    checkpoint_uri: str
+    """Absolute fsspec URL of the checkpoint directory (the model version's source)."""
+    model_version: int
+    """MLflow model version number (MLflow's own counter, not the policy version)."""
+    trainer_step: int | None
+    """Optimizer step that produced these weights, when the trainer said so."""
+    run_id: str | None
+    """MLflow run that produced this version."""
+    checkpoint_digest: str | None
+    """Manifest digest of the checkpoint (equal digests mean identical weights)."""
+    created_at_ms: int
+    """When the model version was created, in ms since the epoch."""
+    tags: dict[str, str]
+    """All tags of the model version, Sluice's own and the caller's (staleness, eval...)."""
+
+
+def _as_committed(version: ModelVersion) -> CommittedVersion | None:
+    tags = dict(version.tags or {})
+    raw = tags.get(TAG_POLICY_VERSION)
+    if raw is None:
+        return None  # a version registered by hand, not by Sluice: ignore it
+    step = tags.get(TAG_TRAINER_STEP)
+    return CommittedVersion(
+        policy_version=int(raw),
+        checkpoint_uri=str(version.source),
+        model_version=int(version.version),
+        trainer_step=int(step) if step not in (None, "") else None,
+        run_id=tags.get(TAG_RUN_ID) or None,
+        checkpoint_digest=tags.get(TAG_CHECKPOINT_DIGEST) or None,
+        created_at_ms=int(version.creation_timestamp or 0),
+        tags=tags,
+    )
+
+
+def _check_policy_version(policy_version: Any) -> int:
+    if (
+        isinstance(policy_version, bool)
+        or not isinstance(policy_version, int)
+        or policy_version < 0
+    ):
+        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+    return policy_version
+
+
+class CheckpointRegistry:
+    """Committed policy versions of one registered model, with a forward-only alias."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        model_name: str,
+        alias: str = "latest",
+        *,
+        verify_hashes: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Connect to MLflow at `tracking_uri` and make sure `model_name` is registered.
+
+        `alias` names the pointer to the newest committed version (see module notes on
+        MLflow's reserved names). `verify_hashes` makes `commit` re-hash every file.
+        `storage_options` are the fsspec options used to read checkpoint manifests.
+        Raises TrackingUnavailable naming the URI when MLflow cannot be reached.
+        """
+        if not isinstance(model_name, str) or not model_name or "'" in model_name:
+            raise ValueError(f"registered model name must be non-empty, no quotes: {model_name!r}")
+        if not isinstance(alias, str) or not _ALIAS_PATTERN.match(alias):
+            raise ValueError(
+                f"alias {alias!r} must be 1-200 letters, digits, '_' or '-' (an MLflow alias)"
+            )
+        self.tracking_uri = tracking_uri
+        self.model_name = model_name
+        self.alias = alias
+        self.mlflow_alias = f"sluice-{alias}" if _MLFLOW_RESERVED_ALIAS.match(alias) else alias
+        self.verify_hashes = verify_hashes
+        self.storage_options = dict(storage_options or {})
+        self._client = get_client(tracking_uri)
+        self._ensure_registered_model()
+
+    # ------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _mlflow(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except MlflowException as exc:
+            raise RegistryError(
+                f"{what} for model {self.model_name!r} failed at {self.tracking_uri}: {exc.message}"
+            ) from exc
+
+    def _ensure_registered_model(self) -> None:
+        with self._mlflow("registering the model"):
+            try:
+                self._client.get_registered_model(self.model_name)
+                return
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+            try:
+                self._client.create_registered_model(
+                    self.model_name,
+                    description="Sluice policy: one model version per committed policy version.",
+                )
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # another process won the race
+                    raise
+
+    def _find(self, policy_version: int) -> list[ModelVersion]:
+        query = f"name = '{self.model_name}' and tags.`{TAG_POLICY_VERSION}` = '{policy_version}'"
+        with self._mlflow(f"looking up policy version {policy_version}"):
+            found = list(self._client.search_model_versions(query, max_results=_PAGE_SIZE))
+        return sorted(found, key=lambda v: int(v.version))
+
+    def _move_alias_forward(self, committed: CommittedVersion) -> None:
+        current = self.latest()
+        if current is not None and current.policy_version >= committed.policy_version:
+            return
+        with self._mlflow(f"moving alias {self.mlflow_alias!r}"):
+            self._client.set_registered_model_alias(
+                self.model_name, self.mlflow_alias, str(committed.model_version)
+            )
+
+    # ------------------------------------------------------------ writing
+
+    def commit(
+        self,
+        policy_version: int,
+        checkpoint_uri: str,
+        run_id: str | None = None,
+        tags: Mapping[str, Any] | None = None,
+        *,
+        trainer_step: int | None = None,
+    ) -> CommittedVersion:
+        """Register the durable checkpoint at `checkpoint_uri` as `policy_version`.
+
+        Order: verify the checkpoint manifest (CheckpointIncomplete, nothing registered);
+        return the existing version if this policy version was already committed with the
+        same checkpoint (retry); refuse with PolicyVersionConflict if the alias already
+        points at this or a newer policy version, or if the policy version was committed
+        with a different checkpoint; create the model version (source = checkpoint URI,
+        tags sluice.policy_version / trainer_step / run_id / checkpoint_digest plus
+        `tags`); move the alias. `trainer_step` defaults to `policy_version`.
+        """
+        policy_version = _check_policy_version(policy_version)
+        extra = {str(k): str(v) for k, v in (tags or {}).items()}
+        clashing = sorted(RESERVED_TAGS & extra.keys())
+        if clashing:
+            raise ValueError(f"tags {clashing} are set by the registry itself; rename them")
+        source = canonical_url(checkpoint_uri, self.storage_options)
+        manifest = verify_checkpoint(
+            checkpoint_uri, self.storage_options, check_hashes=self.verify_hashes
+        )
+
+        existing = self._find(policy_version)
+        if existing:
+            committed = _as_committed(existing[0])
+            assert committed is not None  # found by its policy-version tag
+            # Same weights (digest) is a retry, whatever URL they were saved under.
+            if committed.checkpoint_digest is not None:
+                differs = committed.checkpoint_digest != manifest.digest
+            else:
+                differs = committed.checkpoint_uri != source
+            if differs:
+                raise PolicyVersionConflict(
+                    f"policy version {policy_version} is already committed as model version "
+                    f"{committed.model_version} of {self.model_name!r} with checkpoint "
+                    f"{committed.checkpoint_uri}; refusing to re-point it to {source}"
+                )
+            # A retry after a crash between creating the version and moving the alias.
+            self._move_alias_forward(committed)
+            return committed
+
+        current = self.latest()
+        if current is not None and current.policy_version >= policy_version:
+            raise PolicyVersionConflict(
+                f"refusing to commit policy version {policy_version} of {self.model_name!r}: "
+                f"alias {self.alias!r} already points at policy version "
+                f"{current.policy_version} (policy versions only move forward)"
+            )
+        all_tags = {
+            TAG_POLICY_VERSION: str(policy_version),
+            TAG_TRAINER_STEP: str(policy_version if trainer_step is None else trainer_step),
+            TAG_RUN_ID: run_id or "",
+            TAG_CHECKPOINT_DIGEST: manifest.digest,
+            **extra,
+        }
+        with self._mlflow(f"creating policy version {policy_version}"):
+            # Tags go in with the version in one call: a version never exists untagged, so a
+            # retry can always find it by policy version.
+            created = self._client.create_model_version(
+                self.model_name,
+                source=source,
+                run_id=run_id,
+                tags=all_tags,
+                description=f"Sluice policy version {policy_version}",
+            )
+        committed = _as_committed(created)
+        assert committed is not None
+        self._move_alias_forward(committed)
+        return committed
+
+    def set_tag(self, policy_version: int, key: str, value: Any) -> None:
+        """Tag a committed version (e.g. 'eval.pass_at_1' = 0.41 after evaluation)."""
+        policy_version = _check_policy_version(policy_version)
+        if key in RESERVED_TAGS:
+            raise ValueError(f"tag {key!r} is set by the registry itself and cannot be changed")
+        found = self._find(policy_version)
+        if not found:
+            raise RegistryError(
+                f"policy version {policy_version} of {self.model_name!r} is not committed"
+            )
+        with self._mlflow(f"tagging policy version {policy_version}"):
+            self._client.set_model_version_tag(
+                self.model_name, str(found[0].version), key, str(value)
+            )
+
+    def sync_alias(self) -> CommittedVersion | None:
+        """Move the alias to the highest committed policy version; return it.
+
+        A trainer calls this when it resumes: a crash between creating a version and moving
+        the alias leaves the alias one version behind, and the trainer must continue from
+        the newest durable version, not the alias.
+        """
+        committed = self.versions()
+        if not committed:
+            return None
+        self._move_alias_forward(committed[-1])
+        return committed[-1]
+
+    # ------------------------------------------------------------ reading
+
+    def latest(self) -> CommittedVersion | None:
+        """The version the alias points at, or None before the first commit.
+
+        One indexed lookup of the alias and its version: cheap enough to poll every
+        `poll_interval_s` from every rollout worker.
+        """
+        try:
+            version = self._client.get_model_version_by_alias(self.model_name, self.mlflow_alias)
+        except MlflowException as exc:
+            if exc.error_code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
+                return None  # alias not set yet
+            raise RegistryError(
+                f"reading alias {self.mlflow_alias!r} of {self.model_name!r} failed at "
+                f"{self.tracking_uri}: {exc.message}"
+            ) from exc
+        return _as_committed(version)
+
+    def get(self, policy_version: int) -> CommittedVersion | None:
+        """The committed version for `policy_version`, or None if it was never committed."""
+        found = self._find(_check_policy_version(policy_version))
+        return _as_committed(found[0]) if found else None
+
+    def versions(self) -> list[CommittedVersion]:
+        """Every committed policy version, oldest first."""
+        out: list[CommittedVersion] = []
+        token: str | None = None
+        with self._mlflow("listing versions"):
+            while True:
+                page = self._client.search_model_versions(
+                    f"name = '{self.model_name}'", max_results=_PAGE_SIZE, page_token=token
+                )
+                out.extend(c for c in map(_as_committed, page) if c is not None)
+                token = page.token
+                if not token:
+                    break
+        return sorted(out, key=lambda c: c.policy_version)
+
+    def wait_for_newer(
+        self, policy_version: int, timeout_s: float, poll_interval_s: float = 0.5
+    ) -> CommittedVersion | None:
+        """Poll until the alias points past `policy_version`; None if `timeout_s` runs out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = self.latest()
+            if current is not None and current.policy_version > policy_version:
+                return current
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(poll_interval_s, remaining))
