@@ -13,6 +13,7 @@ what generation and training leave.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -33,7 +34,9 @@ from tasks.problem import PromptSource, load_tokenizer
 log = logging.getLogger("sluice.evaluate")
 
 
-def evaluate_model_dir(config: RunConfig, model_dir: Path, policy_version: int = 0) -> dict[str, float]:
+def evaluate_model_dir(
+    config: RunConfig, model_dir: Path, policy_version: int = 0
+) -> dict[str, float]:
     """pass@1 of the weights in `model_dir` on the run's held-out prompts."""
     source = PromptSource(config, load_tokenizer(model_dir))
     rows = source.eval_rows()
@@ -45,7 +48,9 @@ def evaluate_model_dir(config: RunConfig, model_dir: Path, policy_version: int =
     k = config.problem.eval_samples
     greedy = k == 1
     engine = InferenceEngine(
-        model_dir, max_batch_size=config.rollout.max_batch_size, seed=config.seed,
+        model_dir,
+        max_batch_size=config.rollout.max_batch_size,
+        seed=config.seed,
         weight_version=policy_version,
     )
     started = time.monotonic()
@@ -80,27 +85,36 @@ def evaluate_model_dir(config: RunConfig, model_dir: Path, policy_version: int =
 
 def should_evaluate(version: int, config: RunConfig) -> bool:
     every = config.trainer.eval_every
-    return version == 0 or version >= config.trainer.total_steps or (every > 0 and version % every == 0)
+    return (
+        version == 0
+        or version >= config.trainer.total_steps
+        or (every > 0 and version % every == 0)
+    )
 
 
-def record(config: RunConfig, registry: CheckpointRegistry, mlflow_run_id: str,
-           version: CommittedVersion, metrics: dict[str, float]) -> None:
+def record(
+    config: RunConfig,
+    registry: CheckpointRegistry,
+    mlflow_run_id: str,
+    version: CommittedVersion,
+    metrics: dict[str, float],
+) -> None:
     log_metrics(config.tracking.uri, mlflow_run_id, metrics, step=version.policy_version)
     registry.set_tag(version.policy_version, "eval.pass_at_1", f"{metrics['eval/pass_at_1']:.4f}")
     registry.set_tag(version.policy_version, "eval.reward", f"{metrics['eval/reward']:.4f}")
 
 
 def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.nice(5)
-    except OSError:
-        pass
     paths = run_paths(config, run_id)
     control = RunControl(config, paths)
     control.install_signal_handlers()
     status = StatusReporter(config, paths, "evaluate")
     registry = CheckpointRegistry(
-        config.tracking.uri, registered_model_name(config, run_id), alias=config.tracking.alias,
+        config.tracking.uri,
+        registered_model_name(config, run_id),
+        alias=config.tracking.alias,
         storage_options=config.storage.options,
     )
     cache = Path(config.workdir) / "runs" / run_id / "eval-weights"
@@ -129,15 +143,25 @@ def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
             continue
         # Oldest first for a readable curve, but never fall behind by more than one.
         target = wanted[0] if len(wanted) == 1 else wanted[-1] if not finished else wanted[0]
-        local = fetch_checkpoint(target.checkpoint_uri, cache / f"v{target.policy_version:06d}",
-                                 storage_options=config.storage.options)
+        local = fetch_checkpoint(
+            target.checkpoint_uri,
+            cache / f"v{target.policy_version:06d}",
+            storage_options=config.storage.options,
+        )
         metrics = evaluate_model_dir(config, local, target.policy_version)
         record(config, registry, mlflow_run_id, target, metrics)
         done[target.policy_version] = metrics
         history.append((target.policy_version, metrics["eval/reward"]))
-        log.info("policy version %d: held-out reward %.3f", target.policy_version, metrics["eval/reward"])
-        status.update(force=True, state="running", last_version=target.policy_version,
-                      last_reward=metrics["eval/reward"], history=history)
+        log.info(
+            "policy version %d: held-out reward %.3f", target.policy_version, metrics["eval/reward"]
+        )
+        status.update(
+            force=True,
+            state="running",
+            last_version=target.policy_version,
+            last_reward=metrics["eval/reward"],
+            history=history,
+        )
         # Versions skipped in favour of a newer one are not evaluated later.
         for v in wanted:
             if v.policy_version < target.policy_version:

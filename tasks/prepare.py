@@ -88,17 +88,27 @@ def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, di
     return warm, facts
 
 
-def ensure_version_zero(config: RunConfig, run_id: str, mlflow_run_id: str, say: Any = log.info) -> dict[str, Any]:
+def ensure_version_zero(
+    config: RunConfig, run_id: str, mlflow_run_id: str, say: Any = log.info
+) -> dict[str, Any]:
     registry = CheckpointRegistry(
-        config.tracking.uri, registered_model_name(config, run_id), alias=config.tracking.alias,
+        config.tracking.uri,
+        registered_model_name(config, run_id),
+        alias=config.tracking.alias,
         storage_options=config.storage.options,
     )
     latest = registry.latest()
     if latest is not None:
         say(f"resuming from committed policy version {latest.policy_version}")
-        return {"policy_version": latest.policy_version, "checkpoint_uri": latest.checkpoint_uri, "resumed": True}
+        return {
+            "policy_version": latest.policy_version,
+            "checkpoint_uri": latest.checkpoint_uri,
+            "resumed": True,
+        }
     model_dir, facts = initial_policy_dir(config, say)
-    uri = save_checkpoint(model_dir, run_paths(config, run_id).checkpoint(0), storage_options=config.storage.options)
+    uri = save_checkpoint(
+        model_dir, run_paths(config, run_id).checkpoint(0), storage_options=config.storage.options
+    )
     tags = {k: v for k, v in facts.items() if k != "path"}
     registry.commit(0, uri, run_id=mlflow_run_id, tags=tags, trainer_step=0)
     say(f"policy version 0 committed: {uri} ({facts['source']})")

@@ -19,7 +19,9 @@ from infra.tracking import end_run, get_metric_history, log_figure_png
 from tasks.common import registered_model_name
 
 
-def reward_curve_png(train_reward: list[tuple[int, float]], held_out: list[tuple[int, float]], title: str) -> bytes:
+def reward_curve_png(
+    train_reward: list[tuple[int, float]], held_out: list[tuple[int, float]], title: str
+) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,10 +51,11 @@ def mlflow_run_url(tracking_uri: str, run_id: str) -> str:
 def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, Any]:
     uri = config.tracking.uri
     held_out = get_metric_history(uri, mlflow_run_id, "eval/reward")
-    train_reward = get_metric_history(uri, mlflow_run_id, "reward/mean")
     throughput = get_metric_history(uri, mlflow_run_id, "train/effective_tokens_per_s")
     wall = get_metric_history(uri, mlflow_run_id, "train/wall_time_s")
-    registry = CheckpointRegistry(uri, registered_model_name(config, run_id), alias=config.tracking.alias)
+    registry = CheckpointRegistry(
+        uri, registered_model_name(config, run_id), alias=config.tracking.alias
+    )
     versions = registry.versions()
     latest = registry.latest()
     result: dict[str, Any] = {
@@ -83,7 +86,9 @@ def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> 
     train_reward = get_metric_history(cfg.tracking.uri, mlflow_run_id, "reward/mean")
     png = reward_curve_png(train_reward, result["held_out_curve"], f"Sluice run {run_id}")
     log_figure_png(cfg.tracking.uri, mlflow_run_id, png, "plots/reward_curve.png")
-    registry = CheckpointRegistry(cfg.tracking.uri, result["registered_model"], alias=cfg.tracking.alias)
+    registry = CheckpointRegistry(
+        cfg.tracking.uri, result["registered_model"], alias=cfg.tracking.alias
+    )
     rows = [
         {
             "policy_version": v.policy_version,
@@ -96,7 +101,9 @@ def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> 
         for v in registry.versions()
         if "eval.reward" in v.tags
     ]
-    create_table_artifact(rows, key="policy-versions", description="Held-out results per policy version")
+    create_table_artifact(
+        rows, key="policy-versions", description="Held-out results per policy version"
+    )
     start, final = result.get("held_out_reward_start"), result.get("held_out_reward_final")
     lines = [
         f"# Sluice run `{run_id}`",
@@ -108,6 +115,8 @@ def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> 
         f"- checkpoint: `{result['checkpoint_uri']}`",
         f"- MLflow run: {result['mlflow_run_url']} (`mlflow ui --backend-store-uri {cfg.tracking.uri}`)",
     ]
-    create_markdown_artifact("\n".join(lines), key="run-summary", description=f"Summary of {run_id}")
+    create_markdown_artifact(
+        "\n".join(lines), key="run-summary", description=f"Summary of {run_id}"
+    )
     end_run(cfg.tracking.uri, mlflow_run_id)
     return result

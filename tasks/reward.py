@@ -68,7 +68,9 @@ class VerifierPool:
         if self.inline:
             return [float(self.verifier(row, text)) for row, text in zip(rows, texts, strict=True)]
         pool = self._executor()
-        futures = [pool.submit(_score_in_worker, row, text) for row, text in zip(rows, texts, strict=True)]
+        futures = [
+            pool.submit(_score_in_worker, row, text) for row, text in zip(rows, texts, strict=True)
+        ]
         deadline = time.monotonic() + self.timeout_s
         scores, hung = [], False
         for future in futures:
@@ -93,7 +95,9 @@ class VerifierPool:
             self._pool = None
 
 
-def score_table(table: pa.Table, pool: VerifierPool, decode: Callable[[list[int]], str]) -> pa.Table:
+def score_table(
+    table: pa.Table, pool: VerifierPool, decode: Callable[[list[int]], str]
+) -> pa.Table:
     records = table.select(["prompt_id", "prompt", "answer", "task", "row_json"]).to_pylist()
     rows = [PromptSource.row_from_columns(r) for r in records]
     texts = [decode(ids) for ids in table.column("response_token_ids").to_pylist()]
@@ -108,7 +112,9 @@ def reward_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     control.install_signal_handlers()
     status = StatusReporter(config, paths, "reward")
     registry = CheckpointRegistry(
-        config.tracking.uri, registered_model_name(config, run_id), alias=config.tracking.alias,
+        config.tracking.uri,
+        registered_model_name(config, run_id),
+        alias=config.tracking.alias,
         storage_options=config.storage.options,
     )
     first = None
@@ -120,19 +126,37 @@ def reward_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
         return
     from infra.checkpoints import fetch_checkpoint
 
-    local = fetch_checkpoint(first.checkpoint_uri, f"{config.workdir}/runs/{run_id}/reward-tokenizer",
-                             storage_options=config.storage.options)
+    local = fetch_checkpoint(
+        first.checkpoint_uri,
+        f"{config.workdir}/runs/{run_id}/reward-tokenizer",
+        storage_options=config.storage.options,
+    )
     tokenizer = load_tokenizer(local)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    reader = StreamReader(config.storage.url, run_id, ROLLOUTS, consumer="reward",
-                          storage_options=config.storage.options)
-    writer = StreamWriter(config.storage.url, run_id, SCORED, writer_id="reward",
-                          storage_options=config.storage.options)
-    pool = VerifierPool(config.reward.verifier, config.reward.num_workers, config.reward.timeout_s,
-                        config.reward.correct_reward, config.reward.incorrect_reward)
+    reader = StreamReader(
+        config.storage.url,
+        run_id,
+        ROLLOUTS,
+        consumer="reward",
+        storage_options=config.storage.options,
+    )
+    writer = StreamWriter(
+        config.storage.url,
+        run_id,
+        SCORED,
+        writer_id="reward",
+        storage_options=config.storage.options,
+    )
+    pool = VerifierPool(
+        config.reward.verifier,
+        config.reward.num_workers,
+        config.reward.timeout_s,
+        config.reward.correct_reward,
+        config.reward.incorrect_reward,
+    )
     scored_groups = scored_samples = 0
     reward_sum = 0.0
     busy_s = 0.0
@@ -141,9 +165,12 @@ def reward_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
         while not control.should_stop():
             refs = reader.poll()
             if not refs:
-                status.update(state="waiting", groups_scored=scored_groups,
-                              reward_mean=reward_sum / max(1, scored_samples),
-                              busy_ratio=busy_s / max(1e-9, time.monotonic() - started))
+                status.update(
+                    state="waiting",
+                    groups_scored=scored_groups,
+                    reward_mean=reward_sum / max(1, scored_samples),
+                    busy_ratio=busy_s / max(1e-9, time.monotonic() - started),
+                )
                 control.sleep(config.rollout.poll_interval_s / 2)
                 continue
             for ref in refs:
@@ -160,10 +187,13 @@ def reward_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
                 scored_groups += ref.num_groups
                 scored_samples += scored.num_rows
                 reward_sum += float(pa.compute.sum(scored.column("reward")).as_py() or 0.0)
-                status.update(state="running", groups_scored=scored_groups,
-                              reward_mean=reward_sum / max(1, scored_samples),
-                              verifier_timeouts=pool.timeouts,
-                              busy_ratio=busy_s / max(1e-9, time.monotonic() - started))
+                status.update(
+                    state="running",
+                    groups_scored=scored_groups,
+                    reward_mean=reward_sum / max(1, scored_samples),
+                    verifier_timeouts=pool.timeouts,
+                    busy_ratio=busy_s / max(1e-9, time.monotonic() - started),
+                )
                 if control.should_stop():
                     break
     finally:

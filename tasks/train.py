@@ -60,7 +60,11 @@ def trainer_settings(config: RunConfig) -> TrainerSettings:
 def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     t = config.trainer
     correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
-    device = "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device = (
+        "cuda"
+        if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
     return PolicyTrainer(
         model_dir,
         trainer_settings(config),
@@ -71,13 +75,17 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     )
 
 
-def samples_from_table(table: pa.Table, config: RunConfig) -> tuple[list[TrainingSample], dict[str, float]]:
+def samples_from_table(
+    table: pa.Table, config: RunConfig
+) -> tuple[list[TrainingSample], dict[str, float]]:
     """Group advantages, then one TrainingSample per response."""
     advantage_fn = make_advantage_fn(**config.trainer.advantage.model_dump())
     rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
     group_names = table.column("group_id").to_pylist()
     codes = {g: i for i, g in enumerate(dict.fromkeys(group_names))}
-    result = advantage_fn(torch.as_tensor(rewards), group_ids=torch.tensor([codes[g] for g in group_names]))
+    result = advantage_fn(
+        torch.as_tensor(rewards), group_ids=torch.tensor([codes[g] for g in group_names])
+    )
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
     behaviour = table.column("behaviour_logprobs").to_pylist()
@@ -96,7 +104,9 @@ def samples_from_table(table: pa.Table, config: RunConfig) -> tuple[list[Trainin
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/length_p50": float(np.percentile(lengths, 50)),
-        "response/truncated_fraction": float(np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])),
+        "response/truncated_fraction": float(
+            np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])
+        ),
     }
     return samples, stats
 
@@ -125,23 +135,35 @@ class TrainRole:
         self.control = RunControl(config, self.paths)
         self.status = StatusReporter(config, self.paths, "train")
         self.registry = CheckpointRegistry(
-            config.tracking.uri, registered_model_name(config, run_id), alias=config.tracking.alias,
+            config.tracking.uri,
+            registered_model_name(config, run_id),
+            alias=config.tracking.alias,
             storage_options=config.storage.options,
         )
         self.local_root = Path(config.workdir) / "runs" / run_id / "trainer"
-        self.reader = StreamReader(config.storage.url, run_id, SCORED, consumer="trainer",
-                                   storage_options=config.storage.options)
+        self.reader = StreamReader(
+            config.storage.url,
+            run_id,
+            SCORED,
+            consumer="trainer",
+            storage_options=config.storage.options,
+        )
 
     def reconcile_ledger(self, checkpoint_uri: str) -> None:
         """Ack what the committed version consumed, in case the last run died before acking."""
         try:
-            with open_url(f"{checkpoint_uri}/{CONSUMED_FILE}", storage_options=self.config.storage.options) as f:
+            with open_url(
+                f"{checkpoint_uri}/{CONSUMED_FILE}", storage_options=self.config.storage.options
+            ) as f:
                 names = json.loads(f.read())
         except FileNotFoundError:
             return
         missing = [n for n in names if not self.reader.is_acked(n)]
         if missing:
-            log.info("acking %d shards consumed by the committed version before the restart", len(missing))
+            log.info(
+                "acking %d shards consumed by the committed version before the restart",
+                len(missing),
+            )
             self.reader.ack(missing, meta={"reconciled": True})
 
     def next_batch(self, groups: int) -> tuple[pa.Table, list[ShardRef], float]:
@@ -164,14 +186,20 @@ class TrainRole:
             have += batch.num_groups
         return pa.concat_tables(tables, promote_options="permissive"), refs, waited
 
-    def publish(self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]) -> str:
+    def publish(
+        self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
+    ) -> str:
         local = self.local_root / f"v{version:06d}"
         if local.exists():
             shutil.rmtree(local)
         trainer.save(local, extra={"policy_version": version})
         (local / CONSUMED_FILE).write_text(json.dumps([r.name for r in consumed]))
-        uri = save_checkpoint(local, self.paths.checkpoint(version), storage_options=self.config.storage.options)
-        self.registry.commit(version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version)
+        uri = save_checkpoint(
+            local, self.paths.checkpoint(version), storage_options=self.config.storage.options
+        )
+        self.registry.commit(
+            version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
+        )
         self.reader.ack(consumed, meta={"policy_version": version})
         # Keep the newest local copy only: the durable one is on storage.
         for old in self.local_root.glob("v*"):
@@ -189,8 +217,9 @@ class TrainRole:
             if latest is None:
                 time.sleep(cfg.rollout.poll_interval_s)
         self.reconcile_ledger(latest.checkpoint_uri)
-        init_dir = fetch_checkpoint(latest.checkpoint_uri, self.local_root / "init",
-                                    storage_options=cfg.storage.options)
+        init_dir = fetch_checkpoint(
+            latest.checkpoint_uri, self.local_root / "init", storage_options=cfg.storage.options
+        )
         trainer = build_trainer(cfg, init_dir)
         version = latest.policy_version
         total = cfg.trainer.total_steps
@@ -230,9 +259,14 @@ class TrainRole:
                 }
                 uri = self.publish(trainer, version, unpublished, tags)
                 unpublished = []
-                log.info("step %d: reward %.3f, staleness %.2f, loss %.4f -> %s", version,
-                         stats["reward/mean"], stats["staleness/mean"],
-                         metrics.get("loss/policy_loss", float("nan")), uri)
+                log.info(
+                    "step %d: reward %.3f, staleness %.2f, loss %.4f -> %s",
+                    version,
+                    stats["reward/mean"],
+                    stats["staleness/mean"],
+                    metrics.get("loss/policy_loss", float("nan")),
+                    uri,
+                )
             log_metrics(cfg.tracking.uri, self.mlflow_run_id, metrics, step=version)
             self.status.update(
                 state="running",
@@ -245,7 +279,9 @@ class TrainRole:
             )
         if version >= total:
             self.control.mark_done(f"trained {total} steps")
-        self.status.update(force=True, state="finished" if version >= total else "stopped", step=version)
+        self.status.update(
+            force=True, state="finished" if version >= total else "stopped", step=version
+        )
 
 
 def train_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:

@@ -17,7 +17,7 @@ from tasks.common import ROLES, configure_logging
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tasks.worker")
-    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("role", choices=(*ROLES, "sync"))
     parser.add_argument("--config", required=True, help="resolved run config (JSON)")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--mlflow-run-id", required=True)
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.reward import reward_loop as loop
     elif args.role == "train":
         from tasks.train import train_loop as loop
+    elif args.role == "sync":
+        from tasks.sync import sync_loop as loop
     else:
         from tasks.evaluate import evaluate_loop as loop
     loop(config, args.run_id, args.mlflow_run_id)

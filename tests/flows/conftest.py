@@ -1,0 +1,38 @@
+"""One Prefect test harness per session: starting its API costs ~10 s."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+def tiny_run_overrides(tmp_path, **extra):
+    """A run small enough for a 2-core CI box: random tiny model, a few steps."""
+    base = {
+        "name": "t",
+        "workdir": str(tmp_path / "work"),
+        "storage.url": f"file://{tmp_path}/store",
+        "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "tracking.artifact_location": str(tmp_path / "mlartifacts"),
+        "model.warm_start": "false",
+        "model.tiny.hidden_size": "32",
+        "model.tiny.num_layers": "1",
+        "model.tiny.num_heads": "2",
+        "model.tiny.intermediate_size": "64",
+        "rollout.group_size": "2",
+        "rollout.max_new_tokens": "12",
+        "rollout.max_batch_size": "8",
+        "rollout.poll_interval_s": "0.2",
+        "trainer.prompts_per_batch": "2",
+        "trainer.total_steps": "3",
+        "trainer.eval_every": "0",
+        "problem.num_eval_prompts": "4",
+        "staleness.max_staleness": "1",
+    }
+    base.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
