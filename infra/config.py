@@ -35,7 +35,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class TinyModelConfig(_Section):
@@ -118,8 +120,6 @@ class RolloutConfig(_Section):
     """How in-flight requests are held during a weight update when interruptible."""
     poll_interval_s: float = Field(0.5, gt=0)
     """How often the rollout side polls the registry alias for a newer committed version."""
-    groups_per_shard: int = Field(1, ge=1)
-    """Prompt groups per Arrow shard written to the rollouts stream."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one generate request."""
 
@@ -249,7 +249,9 @@ class TrackingConfig(_Section):
 class RunConfig(BaseModel):
     """A whole Sluice run."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
     name: str = Field("sluice", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
     """Run name; streams and checkpoints live under {storage.url}/{name}."""
@@ -367,7 +369,9 @@ def resolve_config_path(name_or_path: str | None) -> Path | None:
         if candidate.exists():
             return candidate
     known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"config file '{name_or_path}' not found (built-in configs: {', '.join(known)})")
+    raise ConfigError(
+        f"config file '{name_or_path}' not found (built-in configs: {', '.join(known)})"
+    )
 
 
 def load_config(

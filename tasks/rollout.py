@@ -29,12 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from infra.inference_client import InferenceClient
-
 from engines.staleness import StalenessGate
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
+from infra.inference_client import InferenceClient
 from infra.registry import CheckpointRegistry, CommittedVersion
 from infra.streams import StreamReader, StreamWriter, table_from_rows
 from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths
@@ -50,6 +48,14 @@ def group_key(index: int) -> str:
 
 def group_index_of(group_id: str) -> int:
     return int(group_id.rsplit("-", 1)[-1])
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def free_port() -> int:
@@ -83,7 +89,7 @@ class EmbeddedServer:
             "--seed",
             str(config.seed),
             "--device",
-            "cuda" if config.device == "cuda" else ("cpu" if config.device == "cpu" else "auto"),
+            resolve_device(config.device),
         ]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -205,7 +211,7 @@ class Rollout:
             try:
                 await client.update_weights_from_disk(str(local), latest.policy_version)
             finally:
-                await client.continue_generation()
+                await client.continue_()
         else:  # wait-for-drain baseline: the server finishes in-flight requests first
             await client.update_weights_from_disk(str(local), latest.policy_version)
         self.stats.update_time_s += time.monotonic() - started
@@ -229,7 +235,6 @@ class Rollout:
             "top_k": cfg.top_k,
         }
         results = await client.generate_group(prompt_ids, cfg.group_size, sampling)
-        now = np.datetime64(int(time.time() * 1000), "ms")
         rows = []
         for k, result in enumerate(results):
             rows.append(
@@ -245,7 +250,6 @@ class Rollout:
                     "reward": None,
                     "task": str(row.get("task", "")),
                     "worker": self.writer.writer_id,
-                    "created_at": now,
                     "prompt": str(row["prompt"]),
                     "answer": str(row.get("answer", "")),
                     "row_json": self.prompts.row_json(row),

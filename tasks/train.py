@@ -29,12 +29,19 @@ from engines.advantages import make_advantage_fn
 from engines.loss import make_policy_loss
 from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
-from infra.checkpoints import fetch_checkpoint, open_url, save_checkpoint
+from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
 from infra.registry import CheckpointRegistry
 from infra.streams import ShardRef, StreamReader
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, read_statuses, registered_model_name, run_paths
+from tasks.common import (
+    RunControl,
+    StatusReporter,
+    read_json,
+    read_statuses,
+    registered_model_name,
+    run_paths,
+)
 
 log = logging.getLogger("sluice.train")
 SCORED = "scored"
@@ -151,12 +158,8 @@ class TrainRole:
 
     def reconcile_ledger(self, checkpoint_uri: str) -> None:
         """Ack what the committed version consumed, in case the last run died before acking."""
-        try:
-            with open_url(
-                f"{checkpoint_uri}/{CONSUMED_FILE}", storage_options=self.config.storage.options
-            ) as f:
-                names = json.loads(f.read())
-        except FileNotFoundError:
+        names = read_json(self.config, f"{checkpoint_uri}/{CONSUMED_FILE}")
+        if not names:
             return
         missing = [n for n in names if not self.reader.is_acked(n)]
         if missing:
