@@ -23,12 +23,12 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from tasks.prepare import prepare_policy
-from tasks.report import publish_summary
 
-from infra.config import RunConfig
+from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
 from tasks.common import ROLES, RunControl, read_statuses, run_paths
+from tasks.prepare import prepare_policy
+from tasks.report import publish_summary
 from tasks.supervise import run_role
 
 ROLE_TASK_NAMES = {
@@ -92,8 +92,14 @@ def watch_progress(
 
 
 @flow(name="sluice-train", log_prints=True)
-def train(config: RunConfig, run_id: str | None = None, resume: bool = False) -> dict[str, Any]:
-    """Asynchronous RL: rollout, reward, train and evaluate roles run concurrently."""
+def train(
+    config: RunConfig | None = None, run_id: str | None = None, resume: bool = False
+) -> dict[str, Any]:
+    """Asynchronous RL: rollout, reward, train and evaluate roles run concurrently.
+
+    `config` defaults to flows/configs/default.yaml; `run_id` of an earlier run resumes it.
+    """
+    config = config or load_config("default")
     logger = get_run_logger()
     run_id = run_id or new_run_id(config)
     paths = run_paths(config, run_id)

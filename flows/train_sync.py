@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow
 
 from flows.train import ROLE_TASK_NAMES, new_run_id, watch_progress, write_resolved_config
-from infra.config import RunConfig
+from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
@@ -21,8 +21,9 @@ from tasks.supervise import run_role
 
 
 @flow(name="sluice-train-sync", log_prints=True)
-def train_sync(config: RunConfig, run_id: str | None = None) -> dict[str, Any]:
+def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
+    config = config or load_config("default")
     run_id = run_id or new_run_id(config)
     mlflow_run_id = start_or_resume_run(
         config.tracking.uri,
