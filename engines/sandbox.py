@@ -1,0 +1,318 @@
+"""Run untrusted model-written Python against unit tests in a locked-down subprocess.
+
+`run_python(code, tests, timeout_s, memory_mb)` is the stable interface the code
+verifier calls; the isolation behind it can be hardened later (containers, seccomp,
+user namespaces) without touching callers.
+
+What this default runner does, in layers:
+- a separate interpreter (``python -I``: no user site, no PYTHON* variables, script
+  directory not on sys.path) in a fresh temporary working directory, with an
+  environment that holds nothing but PATH/locale and single-threaded BLAS;
+- its own session, so the whole process group is killed on the wall-clock timeout
+  and again after every run (nothing a fork left behind survives);
+- kernel limits set by the runner before user code starts: address space
+  (RLIMIT_AS), CPU seconds (RLIMIT_CPU), file size 0 (RLIMIT_FSIZE: no byte reaches
+  any file), no core dumps, and RLIMIT_NPROC = 0, which blocks fork for non-root users;
+- Python-level guards, which also hold when running as root (where RLIMIT_NPROC is
+  not enforced): process creation (fork, exec, spawn, system, subprocess), sockets,
+  opening files for writing, and destructive filesystem calls raise SandboxViolation.
+
+Known gaps for the hardened version: code that loads native libraries (ctypes) can
+step around the Python-level guards, and reading files outside the working directory
+is allowed. A pass needs the test code to finish: the runner prints a per-run random
+token after the tests, and only output ending in that token counts as passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Reason = Literal["passed", "failed", "timeout", "blocked", "memory", "cpu_limit", "error"]
+
+# Exit code the runner uses when user code tripped a guard (even if it caught the error).
+_BLOCKED_EXIT = 86
+_MAX_OUTPUT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one sandboxed run."""
+
+    passed: bool
+    """True only when the code and all tests ran to completion without error."""
+    stdout: str
+    """Standard output (first 1 MiB), without the runner's completion token."""
+    stderr: str
+    """Standard error (first 1 MiB): tracebacks and guard messages."""
+    reason: Reason
+    """passed | failed (exception/assert) | timeout (wall clock) | blocked (guard tripped) |
+    memory (MemoryError) | cpu_limit (RLIMIT_CPU) | error (sandbox could not run)."""
+    returncode: int | None = None
+    """Exit status of the interpreter (negative = killed by that signal); None if never started."""
+    duration_s: float = 0.0
+    """Wall-clock seconds the subprocess ran."""
+
+
+# The runner is a fixed script; the payload (code, tests, limits, token) arrives as a
+# JSON file that the runner deletes before any user code runs.
+_RUNNER = r'''
+import builtins, io, json, os, resource, sys
+
+
+class SandboxViolation(PermissionError):
+    """Raised by every guard of the Sluice sandbox."""
+
+
+def _main():
+    with open("payload.json", encoding="utf-8") as fh:
+        payload = json.load(fh)
+    os.remove("payload.json")
+    token = payload["token"]
+    violations = []
+
+    def deny(what):
+        def guard(*args, **kwargs):
+            violations.append(what)
+            raise SandboxViolation(f"{what} is not allowed in the Sluice sandbox")
+        return guard
+
+    mem = payload["memory_bytes"]
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    cpu = payload["cpu_seconds"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    except (ValueError, OSError):
+        pass
+
+    import posix
+    for mod in (os, posix):
+        for name in ("fork", "forkpty", "vfork", "system", "popen", "posix_spawn", "posix_spawnp",
+                     "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
+                     "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp",
+                     "spawnvpe", "kill", "killpg", "remove", "unlink", "rmdir", "removedirs",
+                     "rename", "renames", "replace", "truncate", "ftruncate", "chmod", "chown",
+                     "link", "symlink", "mkdir", "makedirs", "mkfifo", "mknod", "setuid", "setgid"):
+            if hasattr(mod, name):
+                setattr(mod, name, deny(f"os.{name}"))
+    try:
+        import _posixsubprocess
+        _posixsubprocess.fork_exec = deny("subprocess")
+    except ImportError:
+        pass
+    import subprocess
+    subprocess.Popen = deny("subprocess")
+    import socket, _socket
+
+    class BlockedSocket(_socket.socket):
+        # A class, not a function: stdlib modules (ssl, asyncio) subclass socket.socket.
+        def __new__(cls, *args, **kwargs):
+            violations.append("network access")
+            raise SandboxViolation("network access is not allowed in the Sluice sandbox")
+
+    for mod in (socket, _socket):
+        mod.socket = BlockedSocket
+        for name in ("socketpair", "create_connection", "create_server", "fromfd",
+                     "getaddrinfo", "gethostbyname", "gethostbyname_ex"):
+            if hasattr(mod, name):
+                setattr(mod, name, deny("network access"))
+
+    real_open = builtins.open
+    real_os_open = os.open
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, int):
+            return real_open(file, mode, *args, **kwargs)
+        if any(c in mode for c in "wax+"):
+            violations.append("writing files")
+            raise SandboxViolation("writing files is not allowed in the Sluice sandbox")
+        return real_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, *args, **kwargs):
+        if flags & write_flags:
+            violations.append("writing files")
+            raise SandboxViolation("writing files is not allowed in the Sluice sandbox")
+        return real_os_open(path, flags, *args, **kwargs)
+
+    builtins.open = guarded_open
+    io.open = guarded_open
+    os.open = guarded_os_open
+
+    def run(source, filename):
+        try:
+            exec(compile(source, filename, "exec"), namespace)
+        except SystemExit as exc:
+            # exit(0) at the end of a script is normal; anything else is a failure.
+            if exc.code not in (None, 0):
+                raise
+
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    stdout_write = sys.__stdout__.write
+    stdout_flush = sys.__stdout__.flush
+    try:
+        run(payload["code"], "<solution>")
+        if payload["tests"]:
+            run(payload["tests"], "<tests>")
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(_exit_code(violations, 1))
+    sys.stdout.flush()
+    if violations:
+        os._exit(_exit_code(violations, 1))
+    stdout_write("\n" + token + "\n")
+    stdout_flush()
+    os._exit(0)
+
+def _exit_code(violations, default):
+    return BLOCKED_EXIT if violations else default
+
+_main()
+'''
+
+
+def _python_executable() -> str:
+    return sys.executable or "python3"
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    # The group may already be gone (normal exit, nothing forked): that is success.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _collect(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes, bytes, bool]:
+    """Read both pipes until EOF or the deadline; keep the first 1 MiB of each."""
+    assert process.stdout is not None and process.stderr is not None
+    chunks: dict[int, bytearray] = {
+        process.stdout.fileno(): bytearray(),
+        process.stderr.fileno(): bytearray(),
+    }
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        selector.register(process.stderr, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            for key, _ in selector.select(timeout=remaining):
+                data = os.read(key.fd, 65536)
+                if not data:
+                    selector.unregister(key.fileobj)
+                    continue
+                buffer = chunks[key.fd]
+                if len(buffer) < _MAX_OUTPUT_BYTES:
+                    buffer.extend(data[: _MAX_OUTPUT_BYTES - len(buffer)])
+    return bytes(chunks[process.stdout.fileno()]), bytes(chunks[process.stderr.fileno()]), timed_out
+
+
+def run_python(
+    code: str,
+    tests: str = "",
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    *,
+    stdin: str = "",
+) -> SandboxResult:
+    """Run `code` then `tests` (Python source, e.g. asserts) in the sandbox.
+
+    Never raises for anything the code does; only a non-string `code`/`tests` or a
+    non-positive limit raises ValueError. `stdin` is fed to the program's standard
+    input (stdin/stdout style tests compare `stdout` themselves).
+    """
+    if not isinstance(code, str) or not isinstance(tests, str) or not isinstance(stdin, str):
+        raise ValueError("run_python: code, tests and stdin must be strings")
+    if timeout_s <= 0 or memory_mb <= 0:
+        raise ValueError(
+            f"run_python: timeout_s ({timeout_s}) and memory_mb ({memory_mb}) must be positive"
+        )
+    token = f"__sluice_done_{secrets.token_hex(16)}__"
+    payload = {
+        "code": code,
+        "tests": tests,
+        "token": token,
+        "memory_bytes": int(memory_mb) * 1024 * 1024,
+        "cpu_seconds": max(1, int(timeout_s + 1)),
+    }
+    env = {
+        "PATH": os.defpath,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        # BLAS libraries reserve per-thread arenas at import; one thread keeps numpy
+        # importable under a small RLIMIT_AS.
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    with tempfile.TemporaryDirectory(prefix="sluice-sandbox-") as workdir:
+        Path(workdir, "payload.json").write_text(json.dumps(payload), encoding="utf-8")
+        # stdin comes from a file, not a pipe we write to: a program that never reads
+        # its input cannot block the parent before the deadline starts counting.
+        stdin_path = Path(workdir, "stdin.txt")
+        stdin_path.write_text(stdin, encoding="utf-8")
+        runner = _RUNNER.replace("BLOCKED_EXIT", str(_BLOCKED_EXIT))
+        env["HOME"] = workdir
+        started = time.monotonic()
+        try:
+            with stdin_path.open("rb") as stdin_file:
+                process = subprocess.Popen(
+                    [_python_executable(), "-I", "-c", runner],
+                    cwd=workdir,
+                    env=env,
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        except OSError as exc:
+            return SandboxResult(False, "", f"could not start the sandbox: {exc}", "error")
+        try:
+            out, err, timed_out = _collect(process, timeout_s)
+        finally:
+            # Always: a grandchild that escaped the fork guard dies with its group.
+            _kill_group(process)
+            returncode = process.wait()
+        duration_s = time.monotonic() - started
+    stdout = out.decode("utf-8", errors="replace")
+    stderr = err.decode("utf-8", errors="replace")
+    completed = stdout.rstrip("\n").endswith(token)
+    if completed:
+        stdout = stdout.rstrip("\n")[: -len(token)]
+        stdout = stdout[:-1] if stdout.endswith("\n") else stdout
+    reason: Reason
+    if timed_out:
+        reason = "timeout"
+    elif returncode == _BLOCKED_EXIT:
+        reason = "blocked"
+    elif completed and returncode == 0:
+        reason = "passed"
+    elif returncode == -signal.SIGXCPU:
+        reason = "cpu_limit"
+    elif "MemoryError" in stderr:
+        reason = "memory"
+    else:
+        reason = "failed"
+    return SandboxResult(
+        reason == "passed", stdout, stderr, reason, returncode, round(duration_s, 3)
+    )

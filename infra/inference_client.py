@@ -1,0 +1,388 @@
+"""Async client for SGLang-compatible inference servers.
+
+The rollout side talks to inference servers only through this client: Sluice's
+own ``engines.server`` on a laptop, real SGLang servers at scale. It therefore
+sends only fields SGLang 0.5.x defines (``input_ids``, ``sampling_params``,
+``return_logprob``, ``rid``; ``mode``; ``model_path``, ``weight_version``,
+``abort_all_requests``) and reads only fields SGLang returns.
+
+Per-token policy versions come from ``meta_info.weight_versions`` (half-open
+``[start, end)`` spans over output tokens). SGLang labels versions with
+strings: a server started without ``--weight-version`` reports ``"default"``,
+read here as ``default_weight_version``; any other non-integer label is an
+error rather than a guess.
+
+Requests go to the server with the fewest requests in flight from this
+client, ties broken round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class InferenceServerError(RuntimeError):
+    """An inference server answered with an error or an unusable response."""
+
+    def __init__(self, url: str, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        """Base URL of the server that failed."""
+        self.status_code = status_code
+        """HTTP status of the answer, when there was one."""
+
+
+class InferenceServerUnreachableError(InferenceServerError):
+    """No connection could be made to an inference server (or it timed out)."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One sampled response, token-aligned."""
+
+    output_ids: list[int]
+    """Generated token ids (including a final stop/EOS token, as SGLang returns them)."""
+    behaviour_logprobs: list[float]
+    """Logprob of each output token under the sampling policy (empty if not requested)."""
+    token_versions: list[int]
+    """Policy version that generated each output token."""
+    finish_reason: str
+    """``stop``, ``length`` or ``abort``."""
+    prompt_tokens: int
+    """Number of prompt tokens the server saw."""
+    request_id: str
+    """The server's id for the request (``meta_info.id``)."""
+    server_url: str
+    """Base URL of the server that answered."""
+    text: str = ""
+    """Decoded output text when the server has a tokenizer, else empty."""
+    weight_version: int | None = None
+    """The server's ``meta_info.weight_version`` (version at finish)."""
+
+    @property
+    def version_start(self) -> int | None:
+        return min(self.token_versions) if self.token_versions else None
+
+    @property
+    def version_end(self) -> int | None:
+        return max(self.token_versions) if self.token_versions else None
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, str):
+            return error
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:500]
+
+
+class InferenceClient:
+    """Async client over one or more SGLang-compatible servers."""
+
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        timeout_s: float = 600.0,
+        *,
+        default_weight_version: int = 0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """
+        Args:
+            base_urls: server roots such as ``http://10.0.0.5:30000`` (at least one).
+            timeout_s: per-request timeout; generation of long responses can take minutes.
+            default_weight_version: policy version meant by SGLang's ``"default"`` label.
+            transport: optional httpx transport (e.g. to route through a proxy in tests).
+        """
+        urls = [u.rstrip("/") for u in base_urls]
+        if not urls:
+            raise ValueError("InferenceClient needs at least one base URL")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"inference server URL {url!r} must start with http:// or https://"
+                )
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.base_urls = urls
+        self.timeout_s = timeout_s
+        self.default_weight_version = default_weight_version
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), transport=transport)
+        self._in_flight = dict.fromkeys(urls, 0)
+        self._cursor = itertools.count()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # ------------------------------------------------------------ transport
+
+    def _pick_server(self) -> str:
+        fewest = min(self._in_flight.values())
+        candidates = [u for u in self.base_urls if self._in_flight[u] == fewest]
+        return candidates[next(self._cursor) % len(candidates)]
+
+    async def _request(
+        self, url: str, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> Any:
+        try:
+            response = await self._http.request(method, url + path, json=body)
+        except httpx.TimeoutException as exc:
+            raise InferenceServerUnreachableError(
+                url,
+                f"inference server {url} did not answer {path} within {self.timeout_s} s ({type(exc).__name__})",
+            ) from exc
+        except httpx.TransportError as exc:
+            raise InferenceServerUnreachableError(
+                url, f"inference server {url} is unreachable ({path}): {type(exc).__name__}: {exc}"
+            ) from exc
+        if not response.is_success:
+            raise InferenceServerError(
+                url,
+                f"inference server {url} answered {path} with HTTP {response.status_code}: {_error_message(response)}",
+                status_code=response.status_code,
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise InferenceServerError(
+                url,
+                f"inference server {url} answered {path} with a body that is not JSON",
+                response.status_code,
+            ) from exc
+
+    async def _broadcast(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        results = await asyncio.gather(
+            *(self._request(url, method, path, body) for url in self.base_urls),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return dict(zip(self.base_urls, results, strict=True))
+
+    # ------------------------------------------------------------ generation
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        return_logprob: bool = True,
+        *,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        """Sample one response to ``input_ids`` on the least-loaded server."""
+        if (sampling_params or {}).get("n", 1) not in (1, None):
+            raise ValueError("generate() samples one response; use generate_group() for n > 1")
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        url = self._pick_server()
+        self._in_flight[url] += 1
+        try:
+            payload = await self._request(url, "POST", "/generate", body)
+        finally:
+            self._in_flight[url] -= 1
+        if isinstance(payload, list) and len(payload) == 1:
+            payload = payload[0]
+        return self._parse_generate(url, payload, return_logprob)
+
+    async def generate_group(
+        self,
+        input_ids: Sequence[int],
+        n: int,
+        sampling_params: dict[str, Any] | None = None,
+        return_logprob: bool = True,
+    ) -> list[GenerateResult]:
+        """Sample ``n`` responses to one prompt concurrently (a GRPO group).
+
+        With ``sampling_seed`` set, sample j uses ``sampling_seed + j``.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        params = dict(sampling_params or {})
+        seed = params.get("sampling_seed")
+        per_sample = [
+            {**params, "sampling_seed": seed + j} if seed is not None else params for j in range(n)
+        ]
+        return list(
+            await asyncio.gather(*(self.generate(input_ids, p, return_logprob) for p in per_sample))
+        )
+
+    def _version(self, url: str, label: Any) -> int:
+        if isinstance(label, int) and not isinstance(label, bool):
+            return label
+        if isinstance(label, str):
+            stripped = label.strip()
+            if stripped == "default":
+                return self.default_weight_version
+            if stripped.lstrip("-").isdigit():
+                return int(stripped)
+        raise InferenceServerError(
+            url,
+            f"inference server {url} reported weight version {label!r}, which is not an integer policy version",
+        )
+
+    def _parse_generate(self, url: str, payload: Any, return_logprob: bool) -> GenerateResult:
+        def bad(what: str) -> InferenceServerError:
+            return InferenceServerError(
+                url, f"inference server {url} sent an unusable /generate response: {what}"
+            )
+
+        if not isinstance(payload, dict) or not isinstance(payload.get("meta_info"), dict):
+            raise bad("expected an object with meta_info")
+        meta = payload["meta_info"]
+        output_ids = payload.get("output_ids")
+        if not isinstance(output_ids, list):
+            raise bad("output_ids is missing")
+        count = len(output_ids)
+        finish = meta.get("finish_reason")
+        finish_type = finish.get("type") if isinstance(finish, dict) else finish
+        if finish_type not in ("stop", "length", "abort"):
+            raise bad(f"finish_reason {finish!r}")
+
+        versions: list[int | None] = [None] * count
+        spans = meta.get("weight_versions")
+        if spans:
+            for span in spans:
+                if not isinstance(span, dict):
+                    raise bad(f"weight_versions entry {span!r} is not an object")
+                version = self._version(url, span.get("version"))
+                for index in range(
+                    max(0, int(span.get("start", 0))), min(count, int(span.get("end", 0)))
+                ):
+                    versions[index] = version
+        elif meta.get("weight_version") is not None:
+            versions = [self._version(url, meta["weight_version"])] * count
+        else:
+            raise bad("neither weight_versions nor weight_version is present")
+        if any(v is None for v in versions):
+            raise bad(f"weight_versions spans {spans!r} do not cover all {count} output tokens")
+
+        logprobs: list[float] = []
+        if return_logprob:
+            entries = meta.get("output_token_logprobs")
+            if not isinstance(entries, list) or len(entries) != count:
+                raise bad(
+                    f"output_token_logprobs has {len(entries) if isinstance(entries, list) else 'no'} entries for {count} tokens"
+                )
+            for index, entry in enumerate(entries):
+                if not isinstance(entry, list) or len(entry) < 2 or entry[0] is None:
+                    raise bad(f"output_token_logprobs[{index}] is {entry!r}")
+                if entry[1] != output_ids[index]:
+                    raise bad(
+                        f"output_token_logprobs[{index}] is for token {entry[1]}, not {output_ids[index]}"
+                    )
+                logprobs.append(float(entry[0]))
+
+        weight_version = meta.get("weight_version")
+        return GenerateResult(
+            output_ids=[int(t) for t in output_ids],
+            behaviour_logprobs=logprobs,
+            token_versions=[int(v) for v in versions if v is not None],
+            finish_reason=str(finish_type),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            request_id=str(meta.get("id", "")),
+            server_url=url,
+            text=str(payload.get("text") or ""),
+            weight_version=None if weight_version is None else self._version(url, weight_version),
+        )
+
+    # --------------------------------------------------------------- control
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause generation on every server (SGLang ``/pause_generation``)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        await self._broadcast("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_(self) -> None:
+        """Resume generation on every server."""
+        await self._broadcast("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(
+        self, path: str, version: int, *, abort_all_requests: bool = False
+    ) -> dict[str, int]:
+        """Load the checkpoint at ``path`` (visible to every server) as policy ``version``.
+
+        Returns each server's count of requests paused across the update.
+        """
+        body = {
+            "model_path": str(path),
+            "weight_version": str(int(version)),
+            "abort_all_requests": abort_all_requests,
+        }
+        answers = await self._broadcast("POST", "/update_weights_from_disk", body)
+        paused: dict[str, int] = {}
+        for url, answer in answers.items():
+            if not isinstance(answer, dict) or not answer.get("success"):
+                message = answer.get("message") if isinstance(answer, dict) else answer
+                raise InferenceServerError(
+                    url, f"inference server {url} failed to load {path}: {message}"
+                )
+            paused[url] = int(answer.get("num_paused_requests", 0))
+        return paused
+
+    async def health(self) -> dict[str, bool]:
+        """Whether each server answers ``/health`` with 2xx."""
+
+        async def check(url: str) -> bool:
+            try:
+                await self._request(url, "GET", "/health")
+            except InferenceServerError:
+                return False
+            return True
+
+        results = await asyncio.gather(*(check(u) for u in self.base_urls))
+        return dict(zip(self.base_urls, results, strict=True))
+
+    async def wait_until_healthy(
+        self, timeout_s: float = 300.0, poll_interval_s: float = 1.0
+    ) -> None:
+        """Block until every server is healthy; raise naming the ones that are not."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            status = await self.health()
+            down = [u for u, ok in status.items() if not ok]
+            if not down:
+                return
+            if loop.time() >= deadline:
+                raise InferenceServerUnreachableError(
+                    down[0], f"inference servers not healthy after {timeout_s} s: {', '.join(down)}"
+                )
+            await asyncio.sleep(poll_interval_s)
+
+    async def model_info(self) -> dict[str, dict[str, Any]]:
+        """Each server's ``/model_info`` (model path, weight version, ...)."""
+        return await self._broadcast("GET", "/model_info")

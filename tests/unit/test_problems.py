@@ -1,0 +1,179 @@
+"""The built-in task is long-tailed, deterministic and split-disjoint; dataset readers
+accept DeepScaleR/GSM8K-style rows and reject a malformed one with its file and line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from engines.problems import (
+    REQUIRED_ROW_KEYS,
+    DatasetFormatError,
+    DatasetProblem,
+    LongTailSum,
+    Problem,
+    get_problem,
+    length_report,
+    load_dataset_rows,
+    solution_lengths,
+    split_of,
+)
+
+
+def test_worked_solution_for_a_hand_made_prompt():
+    row = LongTailSum().make_row([7, 3, 9, 2])
+    # Each step copies the labelled digit, then the running total: 7, 7+3=10, 10+9=19, 19+2=21.
+    assert row["prompt"] == "a7b3c9d2:"
+    assert row["solution"] == "a7=7b3=10c9=19d2=21"
+    assert row["answer"] == "21"
+    assert row["num_terms"] == 4
+    assert set(REQUIRED_ROW_KEYS) <= set(row)
+
+
+def test_reference_solution_lengths_are_long_tailed():
+    stats = solution_lengths(LongTailSum(), n=5000, seed=0)
+    assert stats.tail_ratio >= 4
+    assert min(stats.lengths) >= 5 and max(stats.lengths) <= 210
+
+
+def test_warm_start_sizes_are_uniform_over_the_whole_range():
+    problem = LongTailSum()
+    terms = [r["num_terms"] for r in problem.sample_warmstart_prompts(3100, seed=1)]
+    counts = np.bincount(terms, minlength=problem.max_terms + 1)[problem.min_terms :]
+    # 31 sizes x ~100 each (sd ~10); a long-tailed draw would put >40% on sizes 2-4.
+    assert counts.min() > 50 and counts.max() < 160
+
+
+def test_every_sampled_row_is_self_consistent():
+    problem = LongTailSum()
+    for row in problem.sample_prompts(300, seed=3) + problem.sample_prompts(100, 4, "test"):
+        digits = [int(ch) for ch in row["prompt"][1:-1:2]]
+        assert int(row["answer"]) == sum(digits)
+        assert problem.check_answer(row, problem.reference_response(row))
+        assert isinstance(problem.format_prompt(row), str)
+
+
+def test_sampling_is_deterministic_per_seed_and_a_generator_continues():
+    problem = LongTailSum()
+    assert problem.sample_prompts(20, 5) == problem.sample_prompts(20, 5)
+    assert problem.sample_prompts(20, 5) != problem.sample_prompts(20, 6)
+    rng = np.random.default_rng(5)
+    assert problem.sample_prompts(10, rng) + problem.sample_prompts(
+        10, rng
+    ) == problem.sample_prompts(20, 5)
+
+
+def test_held_out_split_is_disjoint_from_train():
+    problem = LongTailSum()
+    train = {r["prompt"] for r in problem.sample_prompts(3000, seed=0, split="train")}
+    test = {r["prompt"] for r in problem.sample_prompts(600, seed=0, split="test")}
+    assert train and test and not train & test
+    assert all(split_of(p, problem.test_fraction) == "test" for p in test)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="split"):
+        LongTailSum().sample_prompts(1, 0, split="validation")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_terms"):
+        LongTailSum(max_terms=60)
+    with pytest.raises(ValueError, match="unknown built-in problem 'nope'"):
+        get_problem("nope")
+
+
+def test_builtin_problem_satisfies_the_protocol_and_reports_lengths():
+    problem = get_problem("longtail_sum")
+    assert isinstance(problem, Problem)
+    report = length_report(problem, n=500)
+    assert "p50" in report and "p99/p50" in report
+
+
+def _write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_jsonl_rows_keep_extra_fields_and_get_ids(tmp_path):
+    path = _write_jsonl(
+        tmp_path / "gsm.jsonl",
+        [
+            json.dumps({"prompt": "What is 2+2?", "answer": "4", "solution": "2+2=4"}),
+            "",
+            json.dumps({"prompt": "Half of 1?", "answer": 0.5, "prompt_id": 17, "level": 3}),
+        ],
+    )
+    rows = load_dataset_rows(path)
+    assert [r["prompt_id"] for r in rows] == ["gsm-0", "17"]
+    assert rows[1]["answer"] == "0.5" and rows[1]["level"] == 3
+    assert rows[0]["task"] == "gsm" and rows[0]["solution"] == "2+2=4"
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"prompt": "x"', "line 2: not valid JSON"),
+        ('{"answer": "4"}', "line 2: missing field 'prompt'"),
+        ('{"prompt": "x"}', "line 2: missing field 'answer'"),
+        ('{"prompt": 5, "answer": "4"}', "line 2: field 'prompt' must be a non-empty string"),
+        ('{"prompt": "x", "answer": [4]}', "line 2: field 'answer' must be a string or number"),
+        ('["x", "4"]', "line 2: expected an object"),
+    ],
+)
+def test_malformed_jsonl_row_names_file_and_line(tmp_path, bad_line, message):
+    path = _write_jsonl(
+        tmp_path / "data.jsonl", [json.dumps({"prompt": "ok", "answer": "1"}), bad_line]
+    )
+    before = path.read_bytes()
+    with pytest.raises(DatasetFormatError, match=message) as err:
+        load_dataset_rows(path)
+    assert "data.jsonl" in str(err.value)
+    assert path.read_bytes() == before
+
+
+def test_parquet_rows_and_malformed_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "math.parquet"
+    pq.write_table(
+        pa.table({"prompt": ["1+1?", "2*3?"], "answer": ["2", "6"], "source": ["a", "b"]}), good
+    )
+    rows = load_dataset_rows(good)
+    assert [r["answer"] for r in rows] == ["2", "6"] and rows[1]["source"] == "b"
+
+    no_answer = tmp_path / "noanswer.parquet"
+    pq.write_table(pa.table({"problem": ["1+1?"], "solution": ["2"]}), no_answer)
+    with pytest.raises(DatasetFormatError, match="noanswer.parquet: missing column 'prompt'"):
+        load_dataset_rows(no_answer)
+
+    null_answer = tmp_path / "null.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", None]}), null_answer)
+    with pytest.raises(DatasetFormatError, match="null.parquet: row 1: missing field 'answer'"):
+        load_dataset_rows(null_answer)
+
+    not_parquet = tmp_path / "junk.parquet"
+    not_parquet.write_bytes(b"definitely not parquet")
+    with pytest.raises(DatasetFormatError, match="junk.parquet: not a readable parquet file"):
+        load_dataset_rows(not_parquet)
+
+
+def test_missing_unknown_or_empty_dataset_files(tmp_path):
+    with pytest.raises(DatasetFormatError, match="does not exist"):
+        load_dataset_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "data.csv").write_text("prompt,answer\n")
+    with pytest.raises(DatasetFormatError, match="unsupported dataset format '.csv'"):
+        load_dataset_rows(tmp_path / "data.csv")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DatasetFormatError, match="no rows"):
+        load_dataset_rows(tmp_path / "empty.jsonl")
+
+
+def test_dataset_problem_splits_by_hash_and_samples_deterministically(tmp_path):
+    lines = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(200)]
+    problem = DatasetProblem.from_files(_write_jsonl(tmp_path / "d.jsonl", lines))
+    train = {r["prompt"] for r in problem.sample_prompts(500, 0, "train")}
+    test = {r["prompt"] for r in problem.sample_prompts(200, 0, "test")}
+    assert test and not train & test
+    assert problem.sample_prompts(5, 1) == problem.sample_prompts(5, 1)
+    row = problem.sample_prompts(1, 2)[0]
+    assert problem.check_answer(row, f"so x = {row['answer']}")
+    assert not problem.check_answer(row, "no idea")

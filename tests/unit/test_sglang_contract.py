@@ -1,0 +1,278 @@
+"""Contract: our client and server speak SGLang's own HTTP schema.
+
+SGLang ships its JSON contract as generated types (``sglang/api/v1/api_types.py``,
+msgspec structs with the server's exact decode rules). The file is loaded by
+path, without importing the ``sglang`` package (which needs CUDA and a large
+dependency tree), after ``pip install --no-deps sglang==0.5.23 msgspec``.
+Control-plane request types live in ``srt/managers/io_struct.py``, which
+imports half of SGLang, so their field names are read from its syntax tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engines.inference import InferenceEngine
+from engines.server import SGLANG_SAMPLING_KEYS, create_app
+from infra.inference_client import InferenceClient
+
+
+def _sglang_root() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _load_api_types() -> ModuleType:
+    root = _sglang_root()
+    if root is None:
+        pytest.skip(
+            "sglang is not installed; `pip install --no-deps sglang==0.5.23 msgspec` enables this test"
+        )
+    path = root / "api" / "v1" / "api_types.py"
+    if not path.is_file():
+        pytest.skip(
+            f"{path} not found; this contract test needs sglang 0.5.23's generated API types"
+        )
+    if importlib.util.find_spec("msgspec") is None:
+        pytest.skip("msgspec is not installed; SGLang's API types need it")
+    spec = importlib.util.spec_from_file_location("_sglang_api_types_v1", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # msgspec resolves the string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _io_struct_fields(class_name: str) -> set[str]:
+    root = _sglang_root()
+    assert root is not None
+    tree = ast.parse((root / "srt" / "managers" / "io_struct.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return {
+                stmt.target.id
+                for stmt in node.body
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            }
+    raise AssertionError(f"{class_name} not found in SGLang's io_struct.py")
+
+
+@pytest.fixture(scope="module")
+def api() -> ModuleType:
+    return _load_api_types()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+    )
+    path = tmp_path_factory.mktemp("contract") / "model"
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+class _Recorder(httpx.AsyncBaseTransport):
+    """Passes requests to the in-process ASGI app and keeps each JSON body exchanged."""
+
+    def __init__(self, app: Any) -> None:
+        self.inner = httpx.ASGITransport(app=app)
+        self.exchanges: list[tuple[str, Any, int, Any]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content) if request.content else None
+        response = await self.inner.handle_async_request(request)
+        content = await response.aread()
+        received = json.loads(content) if content else None
+        self.exchanges.append((request.url.path, sent, response.status_code, received))
+        return httpx.Response(response.status_code, headers=response.headers, content=content)
+
+
+@pytest.fixture(scope="module")
+def exchanges(model_dir: Path) -> list[tuple[str, Any, int, Any]]:
+    """Drive our server with our client (no sockets) and record every body."""
+    engine = InferenceEngine(model_dir, max_batch_size=4, max_seq_len=64)
+    engine.start()
+    recorder = _Recorder(create_app(engine))
+
+    async def drive() -> None:
+        async with InferenceClient(
+            ["http://sluice.test"], timeout_s=60, transport=recorder
+        ) as client:
+            await client.generate(
+                [3, 4, 5], {"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9, "top_k": 5}
+            )
+            await client.generate_group(
+                [6],
+                3,
+                {
+                    "max_new_tokens": 4,
+                    "stop_token_ids": [1],
+                    "ignore_eos": False,
+                    "sampling_seed": 2,
+                },
+            )
+            await client.generate([7], {"max_new_tokens": 3}, return_logprob=False)
+            await client.pause("retract")
+            await client.update_weights_from_disk(str(model_dir), 1)
+            await client.continue_()
+            await client.pause("in_place")
+            await client.continue_()
+            await client.model_info()
+            await client.health()
+
+    try:
+        asyncio.run(drive())
+    finally:
+        engine.shutdown()
+    return recorder.exchanges
+
+
+def test_our_sampling_keys_are_exactly_sglangs(api: ModuleType) -> None:
+    assert set(SGLANG_SAMPLING_KEYS) == set(api.SamplingParams.__struct_fields__)
+
+
+def test_client_generate_requests_decode_as_sglang_generate_requests(
+    api: ModuleType, exchanges: list
+) -> None:
+    bodies = [sent for path, sent, _, _ in exchanges if path == "/generate"]
+    assert len(bodies) == 5
+    for body in bodies:
+        decoded = api.GenerateRequest.from_json_value(
+            body
+        )  # raises JsonContractError on a violation
+        # GenerateRequest ignores unknown top-level keys, so check the names too.
+        assert set(body) <= set(api.GenerateRequest.__struct_fields__)
+        assert decoded.input_ids == body["input_ids"]
+
+
+def test_server_generate_responses_decode_as_sglang_generate_responses(
+    api: ModuleType, exchanges: list
+) -> None:
+    answers = [
+        (sent, received)
+        for path, sent, status, received in exchanges
+        if path == "/generate" and status == 200
+    ]
+    assert len(answers) == 5
+    for sent, received in answers:
+        decoded = api.GenerateResponse.from_json_value(received)
+        assert set(received) <= set(api.GenerateResponse.__struct_fields__)
+        assert set(received["meta_info"]) <= set(api.GenerateMetaInfo.__struct_fields__)
+        meta = decoded.meta_info
+        assert isinstance(meta.finish_reason, api.FinishStop | api.FinishLength | api.FinishAbort)
+        assert meta.completion_tokens == len(decoded.output_ids)
+        assert meta.weight_versions and meta.weight_versions[-1].end == len(decoded.output_ids)
+        assert meta.weight_version == meta.weight_versions[-1].version
+        if sent["return_logprob"]:
+            assert [e.token_id for e in meta.output_token_logprobs] == decoded.output_ids
+        else:
+            assert meta.output_token_logprobs is None
+
+
+def test_control_requests_use_only_sglang_fields(api: ModuleType, exchanges: list) -> None:
+    base = _io_struct_fields("BaseReq")
+    allowed = {
+        "/pause_generation": _io_struct_fields("PauseGenerationReqInput") | base,
+        "/continue_generation": _io_struct_fields("ContinueGenerationReqInput") | base,
+        "/update_weights_from_disk": _io_struct_fields("UpdateWeightFromDiskReqInput") | base,
+    }
+    seen = set()
+    for path, sent, status, received in exchanges:
+        if path in allowed:
+            seen.add(path)
+            assert status == 200
+            assert set(sent) <= allowed[path], f"{path} sent {set(sent) - allowed[path]}"
+        if path == "/pause_generation":
+            assert sent["mode"] in ("abort", "retract", "in_place")
+        if path == "/update_weights_from_disk":
+            assert isinstance(sent["weight_version"], str)  # SGLang types it Optional[str]
+            assert received["success"] is True
+    assert seen == set(allowed)
+
+
+def test_model_info_decodes_as_sglang_model_info(api: ModuleType, exchanges: list) -> None:
+    (received,) = [r for path, _, _, r in exchanges if path == "/model_info"]
+    decoded = api.GetModelInfoResponse.from_json_value(received)
+    assert decoded.weight_version == "1" and decoded.is_generation
+
+
+def test_unknown_sampling_key_is_refused_like_sglang(api: ModuleType, model_dir: Path) -> None:
+    body = {"input_ids": [3], "sampling_params": {"max_new_tokens": 2, "top_q": 0.5}}
+    with pytest.raises(api.JsonContractError, match="top_q"):
+        api.GenerateRequest.from_json_value(body)
+    engine = InferenceEngine(model_dir, max_batch_size=1, max_seq_len=32)
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://sluice.test") as http:
+            return await http.post("/generate", json=body)
+
+    response = asyncio.run(post())
+    assert response.status_code == 400
+    assert "unknown field `top_q`" in response.json()["error"]
+
+
+def test_client_reads_sglang_encoded_responses(api: ModuleType) -> None:
+    """A response as SGLang encodes it (spans, typed finish reason) parses to per-token versions."""
+    response = api.GenerateResponse(
+        text="abc",
+        output_ids=[5, 6, 7],
+        meta_info=api.GenerateMetaInfo(
+            id="r1",
+            prompt_tokens=2,
+            completion_tokens=3,
+            finish_reason=api.FinishStop(matched=7),
+            output_token_logprobs=[
+                api.LogprobEntry(logprob=-0.5, token_id=5),
+                api.LogprobEntry(logprob=-1.0, token_id=6),
+                api.LogprobEntry(logprob=-0.25, token_id=7),
+            ],
+            weight_version="4",
+            weight_versions=[
+                api.WeightVersionSpan(version="default", start=0, end=1),
+                api.WeightVersionSpan(version="4", start=1, end=3),
+            ],
+        ),
+    ).to_json_value()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        api.GenerateRequest.from_json_value(json.loads(request.content))
+        return httpx.Response(200, json=response)
+
+    async def go() -> Any:
+        async with InferenceClient(
+            ["http://sglang.test"], default_weight_version=3, transport=httpx.MockTransport(handler)
+        ) as client:
+            return await client.generate([1, 2], {"max_new_tokens": 3})
+
+    result = asyncio.run(go())
+    assert result.output_ids == [5, 6, 7]
+    assert result.behaviour_logprobs == [-0.5, -1.0, -0.25]
+    assert result.token_versions == [3, 4, 4]
+    assert result.finish_reason == "stop" and result.text == "abc" and result.weight_version == 4
