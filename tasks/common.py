@@ -120,6 +120,12 @@ class RunControl:
             self.config, f"{self.paths.control}/done.json", {"reason": reason, "at": time.time()}
         )
 
+    def clear_done(self) -> None:
+        """Remove the stop marker (a resumed run starts without one)."""
+        fs, path = filesystem(self.config, f"{self.paths.control}/done.json")
+        if fs.exists(path):
+            fs.rm(path)
+
     def done_marker(self) -> dict[str, Any] | None:
         return read_json(self.config, f"{self.paths.control}/done.json")
 
@@ -171,9 +177,28 @@ def read_statuses(config: RunConfig, paths: RunPaths) -> dict[str, dict[str, Any
     return out
 
 
+def role_threads(config: RunConfig, role: str) -> int:
+    """torch threads for one role process: the busy roles share the cores, never oversubscribe."""
+    if config.threads_per_role is not None:
+        return config.threads_per_role
+    cores = os.cpu_count() or 1
+    return cores if role == "sync" else max(1, cores // 2)
+
+
+def limit_threads(threads: int) -> None:
+    """Cap torch (and any OpenMP/BLAS pool a child process starts) at `threads`."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def configure_logging(role: str) -> None:
     logging.basicConfig(
         level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {role:>8} %(levelname).1s %(message)s",
         datefmt="%H:%M:%S",
     )
+    # One line per HTTP request to the inference server buries the role's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -35,7 +35,13 @@ from infra.config import RunConfig
 from infra.inference_client import InferenceClient
 from infra.registry import CheckpointRegistry, CommittedVersion
 from infra.streams import StreamReader, StreamWriter, table_from_rows
-from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths
+from tasks.common import (
+    RunControl,
+    StatusReporter,
+    registered_model_name,
+    role_threads,
+    run_paths,
+)
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.rollout")
@@ -90,6 +96,8 @@ class EmbeddedServer:
             str(config.seed),
             "--device",
             resolve_device(config.device),
+            "--num-threads",
+            str(role_threads(config, "rollout")),
         ]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 

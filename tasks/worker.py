@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from infra.config import RunConfig
-from tasks.common import ROLES, configure_logging
+from tasks.common import ROLES, configure_logging, limit_threads, role_threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.role)
     config = RunConfig.model_validate(json.loads(Path(args.config).read_text()))
+    limit_threads(role_threads(config, args.role))
     if args.role == "rollout":
         from tasks.rollout import rollout_loop as loop
     elif args.role == "reward":
