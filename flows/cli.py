@@ -1,7 +1,7 @@
 """`sluice` command line: parse and validate first, import the heavy parts after.
 
     sluice train [CONFIG] [--set key=value ...] [--resume RUN]
-    sluice eval  [CONFIG] [--set ...] [--version N]
+    sluice eval  [CONFIG] [--set ...] [--run RUN] [--version N]
     sluice serve [CONFIG] ...            # Prefect deployments
     sluice bench NAME [--set ...]
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from infra.config import ConfigError, RunConfig, load_config
 
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(evaluate)
     evaluate.add_argument(
+        "--run",
+        metavar="RUN",
+        default=None,
+        help="run to evaluate (default: the newest under {workdir}/runs); its saved config "
+        "is used, with --set applied on top",
+    )
+    evaluate.add_argument(
         "--version", type=int, default=None, help="policy version (default: newest)"
     )
 
@@ -77,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark that prints side-by-side ratios")
     bench.add_argument("name", choices=["async-vs-sync"], help="benchmark to run")
+    bench.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=None,
+        metavar="LABEL",
+        help="run only this variant, e.g. 'sync' or 'async η=4 interrupt' (repeatable)",
+    )
     _add_config_args(bench)
     return parser
 
@@ -85,8 +101,40 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]
     args = build_parser().parse_args(argv)
     config = load_config(args.config, args.overrides)
     if getattr(args, "resume", None):
-        config.name = args.resume
+        # Resuming under other storage, tracking or batch settings would silently start
+        # a different run, so the run's own saved config wins over CONFIG.
+        _, config = resolve_run(config, args.resume, args.overrides)
     return args, config
+
+
+def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tuple[str, RunConfig]:
+    """An earlier run (for `sluice eval` or `--resume`) and its own config, `--set` on top.
+
+    `sluice train` saves each run's resolved config as {workdir}/runs/{run}/config.json.
+    Evaluating with it, not with CONFIG, keeps storage and MLflow pointing where the run
+    wrote its checkpoints and registry; CONFIG and --set only have to locate the workdir.
+    No `run` means the run whose config was written last (a resume rewrites it).
+    Raises ConfigError with one line naming the run.
+    """
+    runs_dir = Path(config.workdir) / "runs"
+    saved = sorted(
+        runs_dir.glob("*/config.json"), key=lambda path: (path.stat().st_mtime, path.parent.name)
+    )
+    if run is None:
+        if not saved:
+            raise ConfigError(
+                f"no runs to evaluate under {runs_dir} (none has a config.json); "
+                "train one with 'sluice train' or point --set workdir=... at its workdir"
+            )
+        path = saved[-1]
+    else:
+        path = runs_dir / run / "config.json"
+        # A run id is one directory name: anything else would resolve outside runs_dir.
+        if Path(run).name != run or run.startswith(".") or not path.is_file():
+            names = sorted(p.parent.name for p in saved)
+            known = f"; runs there: {', '.join(names[-5:])}" if names else ""
+            raise ConfigError(f"run '{run}' not found: no {path}{known}")
+    return path.parent.name, load_config(path, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from flows.train import run_from_cli
 
-        return run_from_cli(config, resume=bool(args.resume), sync=args.sync)
+        return run_from_cli(config, resume=args.resume, sync=args.sync)
     if args.command == "eval":
+        try:
+            run_id, config = resolve_run(config, args.run, args.overrides)
+        except ConfigError as err:
+            print(f"sluice: error: {err}", file=sys.stderr)
+            return 2
         from flows.evaluate import run_from_cli as eval_from_cli
 
-        return eval_from_cli(config, version=args.version)
+        return eval_from_cli(config, run_id=run_id, version=args.version)
     if args.command == "serve":
         from flows.deployments import serve_from_cli
 
@@ -111,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from flows.bench import run_from_cli as bench_from_cli
 
-        return bench_from_cli(args.name, config)
+        return bench_from_cli(args.name, config, args.overrides, args.variants)
     return 2
 
 

@@ -25,8 +25,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.config import RunConfig, load_config
+from infra.registry import CheckpointRegistry
 from infra.tracking import log_config, start_or_resume_run
-from tasks.common import ROLES, RunControl, read_statuses, run_paths
+from tasks.common import ROLES, RunControl, read_statuses, registered_model_name, run_paths
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 from tasks.supervise import run_role
@@ -91,27 +92,74 @@ def watch_progress(
             RunControl(config, paths).mark_done(f"role failed: {', '.join(failed)}")
 
 
+class ResumeError(RuntimeError):
+    """A run asked to resume that cannot be (unknown, or nothing left to train)."""
+
+
+def prepare_resume(config: RunConfig, run_id: str) -> str | None:
+    """Check that `run_id` can resume and clear its stop marker; returns its MLflow run id.
+
+    The MLflow run is found through the registry (every committed version carries the
+    run that produced it), so metrics of a resumed run continue on the same curve even
+    when the earlier flow finished and closed it.
+    """
+    registry = CheckpointRegistry(
+        config.tracking.uri,
+        registered_model_name(config, run_id),
+        alias=config.tracking.alias,
+        storage_options=config.storage.options,
+    )
+    latest = registry.latest()
+    if latest is None:
+        raise ResumeError(
+            f"run '{run_id}' has no committed policy version in {config.tracking.uri}; "
+            "start it without --resume"
+        )
+    if latest.policy_version >= config.trainer.total_steps:
+        raise ResumeError(
+            f"run '{run_id}' already reached policy version {latest.policy_version} of "
+            f"{config.trainer.total_steps}; raise trainer.total_steps to train further"
+        )
+    # The stop marker of the earlier flow (finished, failed or killed) would stop the
+    # roles at once; a resumed run starts without one.
+    RunControl(config, run_paths(config, run_id)).clear_done()
+    return latest.run_id
+
+
 @flow(name="sluice-train", log_prints=True)
 def train(
     config: RunConfig | None = None, run_id: str | None = None, resume: bool = False
 ) -> dict[str, Any]:
     """Asynchronous RL: rollout, reward, train and evaluate roles run concurrently.
 
-    `config` defaults to flows/configs/default.yaml; `run_id` of an earlier run resumes it.
+    `config` defaults to flows/configs/default.yaml. With `resume`, `run_id` names an
+    earlier run that continues from its newest committed version: ledgers say what was
+    consumed, the rollout side re-bases its staleness gate and re-issues groups that
+    were in flight.
     """
     config = config or load_config("default")
     logger = get_run_logger()
+    if resume and not run_id:
+        raise ResumeError("resume needs the run id of an earlier run")
     run_id = run_id or new_run_id(config)
     paths = run_paths(config, run_id)
+    previous_mlflow_run = prepare_resume(config, run_id) if resume else None
     mlflow_run_id = start_or_resume_run(
         config.tracking.uri,
         config.tracking.experiment,
         run_name=run_id,
+        run_id=previous_mlflow_run,
         artifact_location=config.tracking.artifact_location,
     )
     log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
     config_path = write_resolved_config(config, run_id)
-    logger.info("run %s: storage %s, MLflow run %s", run_id, paths.prefix, mlflow_run_id)
+    logger.info(
+        "%s run %s: storage %s, MLflow run %s",
+        "resuming" if resume else "starting",
+        run_id,
+        paths.prefix,
+        mlflow_run_id,
+    )
 
     prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
 
@@ -128,13 +176,17 @@ def train(
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)
 
 
-def run_from_cli(config: RunConfig, resume: bool = False, sync: bool = False) -> int:
+def run_from_cli(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
     if sync:
         from flows.train_sync import train_sync
 
         result = train_sync(config)
     else:
-        result = train(config, run_id=config.name if resume else None, resume=resume)
+        try:
+            result = train(config, run_id=resume, resume=bool(resume))
+        except ResumeError as err:
+            print(f"sluice: error: {err}", file=sys.stderr)
+            return 2
     print_where_to_look(config, result)
     return 0
 

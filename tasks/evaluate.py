@@ -8,7 +8,8 @@ version as tags, so the registry shows which version is best.
 
 As a role beside training, it polls the registry and evaluates version 0, every
 `eval_every`-th version and the final one; it runs at low CPU priority so it takes
-what generation and training leave.
+what generation and training leave. On demand, `evaluate_version` is the Prefect task
+the `evaluate` flow (`sluice eval`) runs for one chosen version.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
 from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry, CommittedVersion
+from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from infra.tracking import log_metrics
 from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths
 from tasks.problem import PromptSource, load_tokenizer
@@ -167,3 +170,42 @@ def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
             if v.policy_version < target.policy_version:
                 done.setdefault(v.policy_version, {"skipped": True})
     status.update(force=True, state="stopped", history=history)
+
+
+@task(name="evaluate-version", cache_policy=NO_CACHE, persist_result=False)
+def evaluate_version(
+    config: dict[str, Any], run_id: str, policy_version: int, mlflow_run_id: str
+) -> dict[str, float]:
+    """pass@1 of committed `policy_version` of `run_id`, logged to `mlflow_run_id` and tagged.
+
+    Plain arguments only: the task may run in another process than the flow that calls it.
+    """
+    cfg = RunConfig.model_validate(config)
+    registry = CheckpointRegistry(
+        cfg.tracking.uri,
+        registered_model_name(cfg, run_id),
+        alias=cfg.tracking.alias,
+        storage_options=cfg.storage.options,
+    )
+    target = registry.get(policy_version)
+    if target is None:
+        raise RegistryError(
+            f"policy version {policy_version} of run {run_id!r} is not committed in "
+            f"{registry.model_name!r} at {cfg.tracking.uri}"
+        )
+    # The evaluate role's cache, so weights it already fetched are not downloaded again.
+    local = fetch_checkpoint(
+        target.checkpoint_uri,
+        Path(cfg.workdir) / "runs" / run_id / "eval-weights" / f"v{policy_version:06d}",
+        storage_options=cfg.storage.options,
+    )
+    metrics = evaluate_model_dir(cfg, local, policy_version)
+    record(cfg, registry, mlflow_run_id, target, metrics)
+    get_run_logger().info(
+        "run %s policy version %d: held-out reward %.3f, pass@1 %.3f",
+        run_id,
+        policy_version,
+        metrics["eval/reward"],
+        metrics["eval/pass_at_1"],
+    )
+    return metrics

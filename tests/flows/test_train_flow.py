@@ -72,3 +72,38 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     # Prefect: summary and per-version table artifacts on the flow run.
     keys = {a.key for a in asyncio.run(_artifacts(state.state_details.flow_run_id))}
     assert {"run-summary", "policy-versions"} <= keys
+
+
+def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(prefect_api, tmp_path):
+    from flows.train import train
+
+    first = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2}))
+    done = train(first, run_id="resumed")
+    assert done["final_policy_version"] == 2
+
+    longer = first.model_copy(deep=True)
+    longer.trainer.total_steps = 4
+    resumed = train(longer, run_id="resumed", resume=True)
+
+    # Same MLflow run, one curve: steps 1..4, each logged once.
+    assert resumed["mlflow_run_id"] == done["mlflow_run_id"]
+    steps = [
+        s for s, _ in get_metric_history(longer.tracking.uri, done["mlflow_run_id"], "reward/mean")
+    ]
+    assert steps == [1, 2, 3, 4]
+
+    registry = CheckpointRegistry(longer.tracking.uri, registered_model_name(longer, "resumed"))
+    assert [v.policy_version for v in registry.versions()] == [0, 1, 2, 3, 4]
+
+    # Every trained shard went into exactly one version across both flow runs.
+    trainer = StreamReader(longer.storage.url, "resumed", "scored", consumer="trainer")
+    assert len(trainer.acked()) == 4 * longer.trainer.prompts_per_batch
+
+
+def test_resume_of_a_finished_run_says_what_to_raise(prefect_api, tmp_path):
+    from flows.train import ResumeError, train
+
+    config = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 1}))
+    train(config, run_id="finished")
+    with pytest.raises(ResumeError, match="raise trainer.total_steps"):
+        train.fn(config, run_id="finished", resume=True)

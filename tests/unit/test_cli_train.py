@@ -1,0 +1,76 @@
+"""`sluice train --resume` and `sluice bench` argument handling: fast, no Prefect started."""
+
+import json
+import subprocess
+import sys
+
+from flows.bench import (
+    BENCH_DEFAULTS,
+    VariantResult,
+    apply_bench_defaults,
+    default_variants,
+    ratio_table,
+)
+from flows.cli import main
+from infra.config import load_config
+
+
+def test_resume_of_an_unknown_run_fails_with_one_line_naming_it(tmp_path, capsys):
+    code = main(["train", "--resume", "nope-123", "--set", f"workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "run 'nope-123' not found" in err[0]
+
+
+def test_resume_loads_the_runs_own_config_then_the_overrides(tmp_path):
+    from flows.cli import parse
+
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    saved = load_config("default", [f"workdir={tmp_path}", "trainer.prompts_per_batch=3"])
+    (run_dir / "config.json").write_text(json.dumps(saved.model_dump(mode="json")))
+    _, config = parse(
+        [
+            "train",
+            "--resume",
+            "r1",
+            "--set",
+            f"workdir={tmp_path}",
+            "--set",
+            "trainer.total_steps=77",
+        ]
+    )
+    assert config.trainer.prompts_per_batch == 3  # from the run, not the default config
+    assert config.trainer.total_steps == 77  # the override on top
+
+
+def test_bench_defaults_yield_to_explicit_overrides():
+    config = load_config("default", ["trainer.total_steps=5"])
+    config = apply_bench_defaults(config, ["trainer.total_steps=5"])
+    assert config.trainer.total_steps == 5
+    assert config.trainer.eval_every == BENCH_DEFAULTS["trainer.eval_every"]
+
+
+def test_bench_variants_cover_sync_and_every_eta_both_ways():
+    labels = [v.label for v in default_variants()]
+    assert labels[0] == "sync"
+    assert {(v.max_staleness, v.interruptible) for v in default_variants()[1:]} == {
+        (e, i) for e in (0, 1, 4) for i in (True, False)
+    }
+
+
+def test_ratio_table_divides_by_the_sync_row_of_the_same_invocation():
+    def result(label, tps, wall):
+        return VariantResult(label, label, 10, tps, wall, wall + 5, 0.2, 0.4, 0.0, 0.1)
+
+    table = ratio_table([result("sync", 100.0, 50.0), result("async η=4 interrupt", 250.0, 20.0)])
+    row = next(line for line in table.splitlines() if line.startswith("| async"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "2.50" and cells[5] == "2.50"
+
+
+def test_unknown_bench_variant_fails_in_the_parser_before_anything_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "bench", "nope"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
