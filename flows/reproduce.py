@@ -25,9 +25,18 @@ def load_reference(config_name: str) -> dict[str, list[float]]:
     path = CONFIG_DIR / f"{config_name}.reference.json"
     if not path.exists():
         raise ConfigError(f"no reference band for '{config_name}' (expected {path})")
-    bands = json.loads(path.read_text())["bands"]
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    bands = document.get("bands") if isinstance(document, dict) else None
+    if not isinstance(bands, dict) or not bands:
+        raise ConfigError(f'{path}: needs a non-empty "bands" mapping of metric -> [low, high]')
     for key, band in bands.items():
-        if not (isinstance(band, list) and len(band) == 2 and band[0] <= band[1]):
+        numeric = isinstance(band, list) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in band
+        )
+        if not (numeric and len(band) == 2 and band[0] <= band[1]):
             raise ConfigError(f"{path}: band for '{key}' must be [low, high], got {band!r}")
     return bands
 
