@@ -38,6 +38,7 @@ def warm_cache_key(config: RunConfig) -> str:
         "seed": config.seed,
         "target": config.model.warm_start_target_accuracy,
         "minutes": config.model.warm_start_max_minutes,
+        "steps": config.model.warm_start_max_steps,
         "max_new_tokens": config.rollout.max_new_tokens,
         "format": 1,
     }
@@ -71,6 +72,7 @@ def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, di
         base,
         build_problem(config),
         seed=config.seed,
+        steps=config.model.warm_start_max_steps,
         max_minutes=config.model.warm_start_max_minutes,
         target_accuracy=(target, min(1.0, target + 0.15)),
         out_dir=warm,
