@@ -106,4 +106,4 @@ def test_resume_of_a_finished_run_says_what_to_raise(prefect_api, tmp_path):
     config = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 1}))
     train(config, run_id="finished")
     with pytest.raises(ResumeError, match="raise trainer.total_steps"):
-        train.fn(config, run_id="finished", resume=True)
+        train(config, run_id="finished", resume=True)
