@@ -25,9 +25,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.config import RunConfig, load_config
-from infra.registry import CheckpointRegistry
 from infra.tracking import log_config, start_or_resume_run
-from tasks.common import ROLES, RunControl, read_statuses, registered_model_name, run_paths
+from tasks.common import ROLES, RunControl, read_statuses, run_paths, run_registry
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 from tasks.supervise import run_role
@@ -103,12 +102,7 @@ def prepare_resume(config: RunConfig, run_id: str) -> str | None:
     run that produced it), so metrics of a resumed run continue on the same curve even
     when the earlier flow finished and closed it.
     """
-    registry = CheckpointRegistry(
-        config.tracking.uri,
-        registered_model_name(config, run_id),
-        alias=config.tracking.alias,
-        storage_options=config.storage.options,
-    )
+    registry = run_registry(config, run_id)
     latest = registry.latest()
     if latest is None:
         raise ResumeError(

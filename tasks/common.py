@@ -23,6 +23,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from infra.config import RunConfig
+from infra.registry import CheckpointRegistry
 
 ROLES = ("rollout", "reward", "train", "evaluate")
 log = logging.getLogger("sluice")
@@ -61,6 +62,16 @@ def run_paths(config: RunConfig, run_id: str) -> RunPaths:
 def registered_model_name(config: RunConfig, run_id: str) -> str:
     """One registered model per run, so policy versions of two runs never collide."""
     return f"{config.tracking.registered_model}-{run_id}"
+
+
+def run_registry(config: RunConfig, run_id: str) -> CheckpointRegistry:
+    """The checkpoint registry of one run (its own registered model, the run's alias)."""
+    return CheckpointRegistry(
+        config.tracking.uri,
+        registered_model_name(config, run_id),
+        alias=config.tracking.alias,
+        storage_options=config.storage.options,
+    )
 
 
 def filesystem(config: RunConfig, url: str) -> tuple[fsspec.AbstractFileSystem, str]:

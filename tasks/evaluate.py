@@ -31,7 +31,7 @@ from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths
+from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.evaluate")
@@ -114,12 +114,7 @@ def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     control = RunControl(config, paths)
     control.install_signal_handlers()
     status = StatusReporter(config, paths, "evaluate")
-    registry = CheckpointRegistry(
-        config.tracking.uri,
-        registered_model_name(config, run_id),
-        alias=config.tracking.alias,
-        storage_options=config.storage.options,
-    )
+    registry = run_registry(config, run_id)
     cache = Path(config.workdir) / "runs" / run_id / "eval-weights"
     done: dict[int, dict[str, Any]] = {
         v.policy_version: {"eval/reward": float(v.tags["eval.reward"])}

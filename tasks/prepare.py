@@ -24,8 +24,7 @@ from engines.model import build_tiny_policy
 from engines.warmstart import warm_start
 from infra.checkpoints import save_checkpoint
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry
-from tasks.common import registered_model_name, run_paths
+from tasks.common import run_paths, run_registry
 from tasks.problem import build_problem
 
 log = logging.getLogger("sluice.prepare")
@@ -93,12 +92,7 @@ def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, di
 def ensure_version_zero(
     config: RunConfig, run_id: str, mlflow_run_id: str, say: Any = log.info
 ) -> dict[str, Any]:
-    registry = CheckpointRegistry(
-        config.tracking.uri,
-        registered_model_name(config, run_id),
-        alias=config.tracking.alias,
-        storage_options=config.storage.options,
-    )
+    registry = run_registry(config, run_id)
     latest = registry.latest()
     if latest is not None:
         say(f"resuming from committed policy version {latest.policy_version}")

@@ -21,9 +21,8 @@ import pyarrow as pa
 
 from engines.verifiers import load_verifier
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry
 from infra.streams import CorruptShardError, StreamReader, StreamWriter
-from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths
+from tasks.common import RunControl, StatusReporter, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.reward")
@@ -111,12 +110,7 @@ def reward_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     control = RunControl(config, paths)
     control.install_signal_handlers()
     status = StatusReporter(config, paths, "reward")
-    registry = CheckpointRegistry(
-        config.tracking.uri,
-        registered_model_name(config, run_id),
-        alias=config.tracking.alias,
-        storage_options=config.storage.options,
-    )
+    registry = run_registry(config, run_id)
     first = None
     while first is None and not control.should_stop():
         first = registry.get(0) or registry.latest()

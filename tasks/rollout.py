@@ -33,14 +33,14 @@ from engines.staleness import StalenessGate
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
 from infra.inference_client import InferenceClient
-from infra.registry import CheckpointRegistry, CommittedVersion
+from infra.registry import CommittedVersion
 from infra.streams import StreamReader, StreamWriter, table_from_rows
 from tasks.common import (
     RunControl,
     StatusReporter,
-    registered_model_name,
     role_threads,
     run_paths,
+    run_registry,
 )
 from tasks.problem import PromptSource, load_tokenizer
 
@@ -164,12 +164,7 @@ class Rollout:
         self.paths = run_paths(config, run_id)
         self.control = RunControl(config, self.paths)
         self.status = StatusReporter(config, self.paths, "rollout")
-        self.registry = CheckpointRegistry(
-            config.tracking.uri,
-            registered_model_name(config, run_id),
-            alias=config.tracking.alias,
-            storage_options=config.storage.options,
-        )
+        self.registry = run_registry(config, run_id)
         self.cache_dir = Path(config.workdir) / "runs" / run_id / "rollout-weights"
         self.writer = StreamWriter(
             config.storage.url,

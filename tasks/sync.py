@@ -21,9 +21,8 @@ from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
 from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths
+from tasks.common import RunControl, StatusReporter, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
 from tasks.rollout import group_key
 from tasks.train import build_trainer, samples_from_table, staleness_stats
@@ -35,12 +34,7 @@ def sync_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     paths = run_paths(config, run_id)
     control = RunControl(config, paths)
     status = StatusReporter(config, paths, "train")
-    registry = CheckpointRegistry(
-        config.tracking.uri,
-        registered_model_name(config, run_id),
-        alias=config.tracking.alias,
-        storage_options=config.storage.options,
-    )
+    registry = run_registry(config, run_id)
     latest = registry.latest()
     if latest is None:
         raise RuntimeError("no committed policy version: prepare the policy first")

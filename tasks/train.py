@@ -31,7 +31,6 @@ from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry
 from infra.streams import ShardRef, StreamReader
 from infra.tracking import log_metrics
 from tasks.common import (
@@ -39,8 +38,8 @@ from tasks.common import (
     StatusReporter,
     read_json,
     read_statuses,
-    registered_model_name,
     run_paths,
+    run_registry,
 )
 
 log = logging.getLogger("sluice.train")
@@ -141,12 +140,7 @@ class TrainRole:
         self.paths = run_paths(config, run_id)
         self.control = RunControl(config, self.paths)
         self.status = StatusReporter(config, self.paths, "train")
-        self.registry = CheckpointRegistry(
-            config.tracking.uri,
-            registered_model_name(config, run_id),
-            alias=config.tracking.alias,
-            storage_options=config.storage.options,
-        )
+        self.registry = run_registry(config, run_id)
         self.local_root = Path(config.workdir) / "runs" / run_id / "trainer"
         self.reader = StreamReader(
             config.storage.url,
