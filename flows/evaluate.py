@@ -27,7 +27,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.config import RunConfig, load_config
-from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
+from infra.registry import CommittedVersion, RegistryError
 from infra.tracking import (
     TrackingError,
     end_run,
@@ -35,7 +35,7 @@ from infra.tracking import (
     log_config,
     start_or_resume_run,
 )
-from tasks.common import registered_model_name
+from tasks.common import registered_model_name, run_registry
 
 TABLE_ARTIFACT_KEY = "policy-evaluation"
 SUMMARY_ARTIFACT_KEY = "policy-evaluation-summary"
@@ -69,12 +69,7 @@ def find_version(config: RunConfig, run_id: str, version: int | None) -> Committ
             f"run '{run_id}' has no committed policy versions "
             f"(no registered model '{name}' at {config.tracking.uri})"
         )
-    registry = CheckpointRegistry(
-        config.tracking.uri,
-        name,
-        alias=config.tracking.alias,
-        storage_options=config.storage.options,
-    )
+    registry = run_registry(config, run_id)
     if version is None:
         latest = registry.latest()
         if latest is None:

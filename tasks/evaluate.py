@@ -31,7 +31,7 @@ from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, registered_model_name, run_paths, run_registry
+from tasks.common import RunControl, StatusReporter, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.evaluate")
@@ -86,6 +86,11 @@ def evaluate_model_dir(
     }
 
 
+def eval_weights_dir(config: RunConfig, run_id: str) -> Path:
+    """Local cache of the checkpoints evaluated for one run (role and on-demand flow share it)."""
+    return Path(config.workdir) / "runs" / run_id / "eval-weights"
+
+
 def should_evaluate(version: int, config: RunConfig) -> bool:
     every = config.trainer.eval_every
     return (
@@ -115,7 +120,7 @@ def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     control.install_signal_handlers()
     status = StatusReporter(config, paths, "evaluate")
     registry = run_registry(config, run_id)
-    cache = Path(config.workdir) / "runs" / run_id / "eval-weights"
+    cache = eval_weights_dir(config, run_id)
     done: dict[int, dict[str, Any]] = {
         v.policy_version: {"eval/reward": float(v.tags["eval.reward"])}
         for v in registry.versions()
@@ -176,12 +181,7 @@ def evaluate_version(
     Plain arguments only: the task may run in another process than the flow that calls it.
     """
     cfg = RunConfig.model_validate(config)
-    registry = CheckpointRegistry(
-        cfg.tracking.uri,
-        registered_model_name(cfg, run_id),
-        alias=cfg.tracking.alias,
-        storage_options=cfg.storage.options,
-    )
+    registry = run_registry(cfg, run_id)
     target = registry.get(policy_version)
     if target is None:
         raise RegistryError(
@@ -191,7 +191,7 @@ def evaluate_version(
     # The evaluate role's cache, so weights it already fetched are not downloaded again.
     local = fetch_checkpoint(
         target.checkpoint_uri,
-        Path(cfg.workdir) / "runs" / run_id / "eval-weights" / f"v{policy_version:06d}",
+        eval_weights_dir(cfg, run_id) / f"v{policy_version:06d}",
         storage_options=cfg.storage.options,
     )
     metrics = evaluate_model_dir(cfg, local, policy_version)

@@ -14,9 +14,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry
 from infra.tracking import end_run, get_metric_history, log_figure_png
-from tasks.common import registered_model_name
+from tasks.common import registered_model_name, run_registry
 
 
 def reward_curve_png(
@@ -53,9 +52,7 @@ def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, A
     held_out = get_metric_history(uri, mlflow_run_id, "eval/reward")
     throughput = get_metric_history(uri, mlflow_run_id, "train/effective_tokens_per_s")
     wall = get_metric_history(uri, mlflow_run_id, "train/wall_time_s")
-    registry = CheckpointRegistry(
-        uri, registered_model_name(config, run_id), alias=config.tracking.alias
-    )
+    registry = run_registry(config, run_id)
     versions = registry.versions()
     latest = registry.latest()
     result: dict[str, Any] = {
@@ -86,9 +83,7 @@ def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> 
     train_reward = get_metric_history(cfg.tracking.uri, mlflow_run_id, "reward/mean")
     png = reward_curve_png(train_reward, result["held_out_curve"], f"Sluice run {run_id}")
     log_figure_png(cfg.tracking.uri, mlflow_run_id, png, "plots/reward_curve.png")
-    registry = CheckpointRegistry(
-        cfg.tracking.uri, result["registered_model"], alias=cfg.tracking.alias
-    )
+    registry = run_registry(cfg, run_id)
     rows = [
         {
             "policy_version": v.policy_version,
