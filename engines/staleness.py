@@ -15,11 +15,11 @@ equivalently ``accepted + in_flight <= (i + eta + 1) * B`` after every admission
 the trainer consumes B groups per version, oldest first, and groups finish in the order
 they started, a group started at version i is trained at a version <= i + eta.
 
-What the count cannot promise (the same holds in AReaL): a group that runs much
-longer than the ones started after it can be overtaken by them and trained later than
-i + eta. :meth:`StalenessGate.overdue` lists such stragglers so the rollout side can
-abort (and :meth:`abandon`) them, and the trainer sees the true lag in
-``version_start``.
+A group that runs much longer than the ones started after it finishes after them.
+Taking groups in finishing order would train it later than i + eta (AReaL has the
+same gap); Sluice's trainer instead builds batch k from the groups issued as numbers
+kB .. kB+B-1, whatever order they finish in, which keeps the bound for every group
+(tasks/train.py). :meth:`StalenessGate.overdue` lists groups in flight past the bound.
 
 **Restarts** (AReaL #1345/#1388). A gate that restarts from zero would admit
 (i + eta + 1) * B groups at once. :meth:`StalenessGate.resume` re-bases the count from

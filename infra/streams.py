@@ -657,7 +657,8 @@ def _count_groups(table: pa.Table) -> int:
     return int(pc.count_distinct(table.column("group_id")).as_py())
 
 
-def _key_tag(shard_key: str) -> str:
+def shard_key_tag(shard_key: str) -> str:
+    """The tag a shard written with ``shard_key`` carries in its name (see ``find_keyed``)."""
     return "k" + hashlib.sha256(shard_key.encode()).hexdigest()[:20]
 
 
@@ -723,7 +724,7 @@ class StreamWriter:
         if shard_key is not None:
             if not isinstance(shard_key, str) or not shard_key:
                 raise StreamConfigError(f"shard_key must be a non-empty string, got {shard_key!r}")
-            tag = _key_tag(shard_key)
+            tag = shard_key_tag(shard_key)
             existing = self._keyed_names().get(tag)
             if existing is not None:
                 logger.info("shard with key %r already committed as %s", shard_key, existing)
@@ -983,6 +984,22 @@ class StreamReader:
         else:
             table = trajectory_schema(self.stream).empty_table()
         return ReadBatch(table=table, refs=refs, quarantined=quarantined)
+
+    def find_keyed(self, shard_key: str) -> tuple[str, str] | None:
+        """Where the shard written with ``shard_key`` is: ``("committed" | "quarantined", name)``.
+
+        None when no shard with that key exists (not written yet, or never). A fresh
+        listing of the stream and its quarantine folder; meant for rare checks such as
+        "is the group the trainer waits for lost to a corrupt shard?", not for polling.
+        """
+        tag = shard_key_tag(shard_key)
+        for name in self._storage.list_names(self._storage.prefix):
+            if _tag_of(name) == tag:
+                return "committed", name
+        for name in self._storage.list_names(self._quarantine_dir):
+            if _tag_of(name) == tag:
+                return "quarantined", name
+        return None
 
     def pending(self) -> list[ShardRef]:
         """Shards read by this reader and not yet acked, oldest first."""

@@ -29,6 +29,19 @@ ROLES = ("rollout", "reward", "train", "evaluate")
 log = logging.getLogger("sluice")
 
 
+def group_key(index: int) -> str:
+    """The `group_id` of the prompt group the rollout role issued as number `index`."""
+    return f"group-{index:09d}"
+
+
+def group_index_of(group_id: str) -> int:
+    """The issue number in a `group_id` made by `group_key`; ValueError for any other id."""
+    head, _, number = group_id.rpartition("-")
+    if head != "group" or not number.isdigit():
+        raise ValueError(f"{group_id!r} is not a Sluice group id ('group-NNNNNNNNN')")
+    return int(number)
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Every location of one run, derived from the storage root and the run id."""

@@ -38,6 +38,7 @@ def warm_cache_key(config: RunConfig) -> str:
         "target": config.model.warm_start_target_accuracy,
         "minutes": config.model.warm_start_max_minutes,
         "steps": config.model.warm_start_max_steps,
+        "eval_every": config.model.warm_start_eval_every,
         "max_new_tokens": config.rollout.max_new_tokens,
         "format": 1,
     }
@@ -73,6 +74,7 @@ def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, di
         seed=config.seed,
         steps=config.model.warm_start_max_steps,
         max_minutes=config.model.warm_start_max_minutes,
+        eval_every=config.model.warm_start_eval_every,
         target_accuracy=(target, min(1.0, target + 0.15)),
         out_dir=warm,
         max_new_tokens=config.rollout.max_new_tokens,

@@ -17,6 +17,7 @@ that were in flight when the role died are re-issued with the same index and pro
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import os
 import signal
@@ -38,6 +39,8 @@ from infra.streams import StreamReader, StreamWriter, table_from_rows
 from tasks.common import (
     RunControl,
     StatusReporter,
+    group_index_of,
+    group_key,
     role_threads,
     run_paths,
     run_registry,
@@ -46,14 +49,6 @@ from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.rollout")
 ROLLOUTS = "rollouts"
-
-
-def group_key(index: int) -> str:
-    return f"group-{index:09d}"
-
-
-def group_index_of(group_id: str) -> int:
-    return int(group_id.rsplit("-", 1)[-1])
 
 
 def resolve_device(device: str) -> str:
@@ -362,7 +357,10 @@ class Rollout:
                 rows = task.result()
                 if any(r["finish_reason"] == "abort" for r in rows):
                     gate.abandon(ticket)  # aborted by a weight update: free the slot, ask again
-                    reissue.append(index)
+                    # Kept sorted: the smallest issue number goes first, so every group's
+                    # number stays below its admission position and batch floor(n/B)
+                    # never trains it more than eta versions late.
+                    bisect.insort(reissue, index)
                     continue
                 await asyncio.to_thread(self.write_group, index, rows)
                 gate.finish(ticket)

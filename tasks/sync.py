@@ -22,9 +22,8 @@ from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, run_paths, run_registry
+from tasks.common import RunControl, StatusReporter, group_key, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
-from tasks.rollout import group_key
 from tasks.train import build_trainer, samples_from_table, staleness_stats
 
 log = logging.getLogger("sluice.sync")

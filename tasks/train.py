@@ -1,10 +1,19 @@
-"""The train role: consume `scored` oldest first, B groups a step, publish versions.
+"""The train role: consume `scored` in issue order, B groups a step, publish versions.
 
-Per step: take exactly B prompt groups from the scored stream, compute group
+Per step k: train the B prompt groups the rollout role issued as numbers kB..kB+B-1
+(read from the scored stream in whatever order they finished), compute group
 advantages, recompute π_prox and run the decoupled PPO step (engines.trainer). Every
 `publish_every` steps the weights are saved as a checkpoint, committed to the
 registry as the next policy version (only once durable), and then the shards that
 went into it are acknowledged with that version in the ledger meta.
+
+Why by issue number and not by arrival: the staleness gate admitted group n only while
+floor(n / B) <= i + eta (i = the version the rollout served), so training group n in
+batch floor(n / B) keeps every sample at most eta versions old. Taking groups as they
+arrive would let a slow group of batch k slip into batch k + 1 (eta + 1 versions old).
+Training in issue order also makes exactly-once simple: version v has trained exactly
+the groups numbered below v * B. A group whose shard was quarantined as corrupt (in
+either stream) is lost: the step goes on without it once that is certain.
 
 Exactly once: the checkpoint carries the list of shards it consumed. A crash after
 the commit but before the ack is repaired on restart by acking that list; a crash
@@ -31,11 +40,13 @@ from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
-from infra.streams import ShardRef, StreamReader
+from infra.streams import CorruptShardError, ShardRef, StreamReader
 from infra.tracking import log_metrics
 from tasks.common import (
     RunControl,
     StatusReporter,
+    group_index_of,
+    group_key,
     read_json,
     read_statuses,
     run_paths,
@@ -44,7 +55,10 @@ from tasks.common import (
 
 log = logging.getLogger("sluice.train")
 SCORED = "scored"
+ROLLOUTS = "rollouts"
 CONSUMED_FILE = "consumed_shards.json"
+LOST_CHECK_INTERVAL_S = 5.0
+"""How often a trainer waiting on missing groups checks whether they were quarantined."""
 
 
 def trainer_settings(config: RunConfig) -> TrainerSettings:
@@ -132,6 +146,99 @@ def staleness_stats(table: pa.Table, policy_version: int) -> dict[str, float]:
     }
 
 
+def group_lost(rollouts: StreamReader, scored: StreamReader, index: int) -> bool:
+    """Whether group `index` can never reach `scored`: a shard of it was quarantined.
+
+    The rollout role keys each group's shard by `group_key(index)` and the reward role
+    keys the scored shard by the rollout shard's name, so both can be found by key.
+    """
+    found = rollouts.find_keyed(group_key(index))
+    if found is None:
+        return False  # not generated yet
+    where, rollout_name = found
+    if where == "quarantined":
+        return True
+    scored_found = scored.find_keyed(rollout_name)
+    return scored_found is not None and scored_found[0] == "quarantined"
+
+
+class GroupBuffer:
+    """Scored prompt groups keyed by issue number; batch k is numbers kB .. kB+B-1.
+
+    Shards are acknowledged whole, so a shard is handed back for acking only once
+    every group in it has been trained (or dropped as already trained before a
+    restart, or as a duplicate).
+    """
+
+    def __init__(self, prompts_per_batch: int) -> None:
+        self.prompts_per_batch = prompts_per_batch
+        self._groups: dict[int, pa.Table] = {}
+        self._shard_of: dict[int, str] = {}
+        self._open: dict[str, set[int]] = {}
+        self._refs: dict[str, ShardRef] = {}
+        self._done: list[ShardRef] = []
+
+    def indices(self, step: int) -> range:
+        return range(step * self.prompts_per_batch, (step + 1) * self.prompts_per_batch)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def add(self, ref: ShardRef, table: pa.Table, step: int) -> list[str]:
+        """File a shard's groups for their batches; returns warnings for dropped groups.
+
+        Groups numbered below ``step * B`` were trained before (a restart between the
+        commit and the ack of a shard that spans batches) and are dropped, as is a
+        second copy of a group already held. A group id that is not a Sluice id is a
+        ValueError: the stream was written by something else.
+        """
+        names = table.column("group_id").to_pylist()
+        by_index: dict[int, list[int]] = {}
+        for row, name in enumerate(names):
+            by_index.setdefault(group_index_of(str(name)), []).append(row)
+        warnings = []
+        kept: set[int] = set()
+        for index, rows in by_index.items():
+            if index < step * self.prompts_per_batch:
+                warnings.append(f"{group_key(index)} in {ref.name} was trained before; skipped")
+            elif index in self._groups:
+                warnings.append(
+                    f"{group_key(index)} in {ref.name} duplicates one from "
+                    f"{self._shard_of[index]}; skipped"
+                )
+            else:
+                self._groups[index] = table.take(rows)
+                self._shard_of[index] = ref.name
+                kept.add(index)
+        if kept:
+            self._open[ref.name] = kept
+            self._refs[ref.name] = ref
+        else:
+            self._done.append(ref)
+        return warnings
+
+    def missing(self, step: int) -> list[int]:
+        return [i for i in self.indices(step) if i not in self._groups]
+
+    def take(self, step: int) -> tuple[pa.Table | None, list[ShardRef]]:
+        """Batch `step` (the groups present, in issue order) and the shards it completes."""
+        tables = []
+        for index in self.indices(step):
+            table = self._groups.pop(index, None)
+            if table is None:
+                continue
+            tables.append(table)
+            name = self._shard_of.pop(index)
+            self._open[name].discard(index)
+            if not self._open[name]:
+                del self._open[name]
+                self._done.append(self._refs.pop(name))
+        done, self._done = self._done, []
+        if not tables:
+            return None, done
+        return pa.concat_tables(tables, promote_options="permissive"), done
+
+
 class TrainRole:
     def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str):
         self.config = config
@@ -149,6 +256,8 @@ class TrainRole:
             consumer="trainer",
             storage_options=config.storage.options,
         )
+        self.buffer = GroupBuffer(config.trainer.prompts_per_batch)
+        self._rollouts: StreamReader | None = None
 
     def reconcile_ledger(self, checkpoint_uri: str) -> None:
         """Ack what the committed version consumed, in case the last run died before acking."""
@@ -163,25 +272,59 @@ class TrainRole:
             )
             self.reader.ack(missing, meta={"reconciled": True})
 
-    def next_batch(self, groups: int) -> tuple[pa.Table, list[ShardRef], float]:
-        """Exactly `groups` prompt groups, oldest first; returns the seconds spent waiting."""
-        tables, refs, have = [], [], 0
+    def next_batch(self, step: int) -> tuple[pa.Table | None, list[ShardRef], float, list[int]]:
+        """Batch `step`: its B groups, whatever order they finished in.
+
+        Returns the table (None when every group of the batch was lost), the shards
+        completed by it, the seconds spent waiting, and the issue numbers found lost.
+        """
         waited = 0.0
-        while have < groups:
+        last_check = time.monotonic()
+        while True:
+            missing = self.buffer.missing(step)
+            if not missing:
+                lost: list[int] = []
+                break
             if self.control.should_stop():
                 raise InterruptedError
-            batch = self.reader.read_next(max_groups=groups - have)
-            for err in batch.quarantined:
-                log.error("%s", err)
-            if not batch.refs:
-                t0 = time.monotonic()
-                self.control.sleep(0.05)
-                waited += time.monotonic() - t0
+            refs = self.reader.poll()
+            for ref in refs:
+                try:
+                    table = self.reader.read(ref)
+                except CorruptShardError as err:  # quarantined; its groups count as lost
+                    log.error("%s", err)
+                    continue
+                for warning in self.buffer.add(ref, table, step):
+                    log.warning("%s", warning)
+            if refs:
                 continue
-            tables.append(batch.table)
-            refs.extend(batch.refs)
-            have += batch.num_groups
-        return pa.concat_tables(tables, promote_options="permissive"), refs, waited
+            t0 = time.monotonic()
+            self.control.sleep(0.05)
+            waited += time.monotonic() - t0
+            if time.monotonic() - last_check >= LOST_CHECK_INTERVAL_S:
+                last_check = time.monotonic()
+                lost = [i for i in missing if self.group_lost(i)]
+                if len(lost) == len(missing):
+                    log.error(
+                        "step %d goes on without %d group(s) lost to corrupt shards: %s",
+                        step,
+                        len(lost),
+                        ", ".join(group_key(i) for i in lost),
+                    )
+                    break
+        table, done = self.buffer.take(step)
+        return table, done, waited, lost
+
+    def group_lost(self, index: int) -> bool:
+        if self._rollouts is None:
+            self._rollouts = StreamReader(
+                self.config.storage.url,
+                self.run_id,
+                ROLLOUTS,
+                consumer="trainer-audit",
+                storage_options=self.config.storage.options,
+            )
+        return group_lost(self._rollouts, self.reader, index)
 
     def publish(
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
@@ -229,12 +372,19 @@ class TrainRole:
         self.status.update(force=True, state="running", step=version)
         while version < total:
             try:
-                table, refs, waited = self.next_batch(B)
+                table, refs, waited, lost = self.next_batch(version)
             except InterruptedError:
                 break
             waited_total += waited
-            samples, stats = samples_from_table(table, cfg)
-            stats.update(staleness_stats(table, version))
+            if table is None:  # every group of this batch was lost: the version moves on
+                samples = []
+                stats = {
+                    k: float("nan") for k in ("reward/mean", "staleness/mean", "staleness/max")
+                }
+            else:
+                samples, stats = samples_from_table(table, cfg)
+                stats.update(staleness_stats(table, version))
+            stats["train/lost_groups"] = float(len(lost))
             metrics = trainer.train_step(samples) if samples else {}
             version += 1
             unpublished.extend(refs)
@@ -251,7 +401,7 @@ class TrainRole:
             if version % cfg.trainer.publish_every == 0 or version == total:
                 tags = {
                     "staleness_mean": f"{stats['staleness/mean']:.3f}",
-                    "staleness_max": int(stats["staleness/max"]),
+                    "staleness_max": f"{stats['staleness/max']:.0f}",
                     "reward_mean": f"{stats['reward/mean']:.4f}",
                 }
                 uri = self.publish(trainer, version, unpublished, tags)

@@ -14,7 +14,7 @@ from infra.config import load_config
 from infra.registry import CheckpointRegistry
 from infra.streams import StreamReader
 from infra.tracking import start_or_resume_run
-from tasks.common import read_statuses, registered_model_name, run_paths
+from tasks.common import group_index_of, read_statuses, registered_model_name, run_paths
 from tasks.prepare import ensure_version_zero
 from tasks.supervise import role_command
 from tests.flows.conftest import tiny_run_overrides
@@ -101,7 +101,13 @@ def test_sigkill_and_restart_of_a_role_loses_nothing_and_trains_nothing_twice(tm
     # Staleness bound: a batch trained into version v was generated at >= v - 1 - eta.
     scored = StreamReader(config.storage.url, run_id, "scored", consumer="audit2")
     by_name = {ref.name: ref for ref in scored.committed()}
+    B = config.trainer.prompts_per_batch
     for version, names in consumed_by_version.items():
+        indices = set()
         for name in names:
-            starts = scored.read(by_name[name]).column("version_start").to_pylist()
+            table = scored.read(by_name[name])
+            starts = table.column("version_start").to_pylist()
             assert min(starts) >= version - 1 - config.staleness.max_staleness
+            indices.update(group_index_of(g) for g in table.column("group_id").to_pylist())
+        # Version v trained exactly the groups issued as numbers (v-1)B .. vB-1.
+        assert indices == set(range((version - 1) * B, version * B))
