@@ -377,7 +377,7 @@ class TrainRole:
                 break
             waited_total += waited
             if table is None:  # every group of this batch was lost: the version moves on
-                samples = []
+                samples: list[TrainingSample] = []
                 stats = {
                     k: float("nan") for k in ("reward/mean", "staleness/mean", "staleness/max")
                 }

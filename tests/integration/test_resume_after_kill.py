@@ -103,7 +103,7 @@ def test_sigkill_and_restart_of_a_role_loses_nothing_and_trains_nothing_twice(tm
     by_name = {ref.name: ref for ref in scored.committed()}
     B = config.trainer.prompts_per_batch
     for version, names in consumed_by_version.items():
-        indices = set()
+        indices: set[int] = set()
         for name in names:
             table = scored.read(by_name[name])
             starts = table.column("version_start").to_pylist()
