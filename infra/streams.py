@@ -474,6 +474,14 @@ class ShardRef:
             num_rows=int(match["rows"]),
         )
 
+    @property
+    def tag(self) -> str:
+        """The name's tag: ``shard_key_tag(key)`` for a keyed write, a sequence otherwise."""
+        match = _SHARD_RE.match(self.name)
+        if match is None:  # only from_url builds refs from listings, and it checks the name
+            raise StreamConfigError(f"{self.name!r} is not a Sluice shard name")
+        return match["tag"]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, for Prefect results and MLflow tags."""
         return dataclasses.asdict(self)
@@ -658,7 +666,7 @@ def _count_groups(table: pa.Table) -> int:
 
 
 def shard_key_tag(shard_key: str) -> str:
-    """The tag a shard written with ``shard_key`` carries in its name (see ``find_keyed``)."""
+    """The tag a shard written with ``shard_key`` carries in its name (``ShardRef.tag``)."""
     return "k" + hashlib.sha256(shard_key.encode()).hexdigest()[:20]
 
 
@@ -985,21 +993,10 @@ class StreamReader:
             table = trajectory_schema(self.stream).empty_table()
         return ReadBatch(table=table, refs=refs, quarantined=quarantined)
 
-    def find_keyed(self, shard_key: str) -> tuple[str, str] | None:
-        """Where the shard written with ``shard_key`` is: ``("committed" | "quarantined", name)``.
-
-        None when no shard with that key exists (not written yet, or never). A fresh
-        listing of the stream and its quarantine folder; meant for rare checks such as
-        "is the group the trainer waits for lost to a corrupt shard?", not for polling.
-        """
-        tag = shard_key_tag(shard_key)
-        for name in self._storage.list_names(self._storage.prefix):
-            if _tag_of(name) == tag:
-                return "committed", name
-        for name in self._storage.list_names(self._quarantine_dir):
-            if _tag_of(name) == tag:
-                return "quarantined", name
-        return None
+    def quarantined_tags(self) -> set[str]:
+        """Name tags of the shards moved to quarantine (one listing; compare `shard_key_tag`)."""
+        tags = (_tag_of(name) for name in self._storage.list_names(self._quarantine_dir))
+        return {tag for tag in tags if tag is not None}
 
     def pending(self) -> list[ShardRef]:
         """Shards read by this reader and not yet acked, oldest first."""

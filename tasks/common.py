@@ -26,6 +26,8 @@ from infra.config import RunConfig
 from infra.registry import CheckpointRegistry
 
 ROLES = ("rollout", "reward", "train", "evaluate")
+ROLLOUTS, SCORED = "rollouts", "scored"
+"""The two trajectory streams: generated groups, then the same groups with rewards."""
 log = logging.getLogger("sluice")
 
 

@@ -22,11 +22,10 @@ import pyarrow as pa
 from engines.verifiers import load_verifier
 from infra.config import RunConfig
 from infra.streams import CorruptShardError, StreamReader, StreamWriter
-from tasks.common import RunControl, StatusReporter, run_paths, run_registry
+from tasks.common import ROLLOUTS, SCORED, RunControl, StatusReporter, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.reward")
-ROLLOUTS, SCORED = "rollouts", "scored"
 
 _worker_verifier: Callable[[dict[str, Any], str], float] | None = None
 

@@ -37,6 +37,7 @@ from infra.inference_client import InferenceClient
 from infra.registry import CommittedVersion
 from infra.streams import StreamReader, StreamWriter, table_from_rows
 from tasks.common import (
+    ROLLOUTS,
     RunControl,
     StatusReporter,
     group_index_of,
@@ -48,7 +49,6 @@ from tasks.common import (
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.rollout")
-ROLLOUTS = "rollouts"
 
 
 def resolve_device(device: str) -> str:

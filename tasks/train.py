@@ -40,9 +40,11 @@ from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
-from infra.streams import CorruptShardError, ShardRef, StreamReader
+from infra.streams import CorruptShardError, ShardRef, StreamReader, shard_key_tag
 from infra.tracking import log_metrics
 from tasks.common import (
+    ROLLOUTS,
+    SCORED,
     RunControl,
     StatusReporter,
     group_index_of,
@@ -54,8 +56,6 @@ from tasks.common import (
 )
 
 log = logging.getLogger("sluice.train")
-SCORED = "scored"
-ROLLOUTS = "rollouts"
 CONSUMED_FILE = "consumed_shards.json"
 LOST_CHECK_INTERVAL_S = 5.0
 """How often a trainer waiting on missing groups checks whether they were quarantined."""
@@ -146,20 +146,25 @@ def staleness_stats(table: pa.Table, policy_version: int) -> dict[str, float]:
     }
 
 
-def group_lost(rollouts: StreamReader, scored: StreamReader, index: int) -> bool:
-    """Whether group `index` can never reach `scored`: a shard of it was quarantined.
+def lost_groups(rollouts: StreamReader, scored: StreamReader, indices: list[int]) -> list[int]:
+    """Those of `indices` that can never reach `scored`: a shard of theirs was quarantined.
 
     The rollout role keys each group's shard by `group_key(index)` and the reward role
-    keys the scored shard by the rollout shard's name, so both can be found by key.
+    keys the scored shard by the rollout shard's name, so both are found by key. When
+    nothing was quarantined (the usual case) this costs two listings of empty folders.
     """
-    found = rollouts.find_keyed(group_key(index))
-    if found is None:
-        return False  # not generated yet
-    where, rollout_name = found
-    if where == "quarantined":
-        return True
-    scored_found = scored.find_keyed(rollout_name)
-    return scored_found is not None and scored_found[0] == "quarantined"
+    bad_rollouts = rollouts.quarantined_tags()
+    bad_scored = scored.quarantined_tags()
+    if not bad_rollouts and not bad_scored:
+        return []
+    rollout_names = {ref.tag: ref.name for ref in rollouts.committed()} if bad_scored else {}
+    lost = []
+    for index in indices:
+        tag = shard_key_tag(group_key(index))
+        name = rollout_names.get(tag)
+        if tag in bad_rollouts or (name is not None and shard_key_tag(name) in bad_scored):
+            lost.append(index)
+    return lost
 
 
 class GroupBuffer:
@@ -303,7 +308,7 @@ class TrainRole:
             waited += time.monotonic() - t0
             if time.monotonic() - last_check >= LOST_CHECK_INTERVAL_S:
                 last_check = time.monotonic()
-                lost = [i for i in missing if self.group_lost(i)]
+                lost = lost_groups(self.rollouts_audit(), self.reader, missing)
                 if len(lost) == len(missing):
                     log.error(
                         "step %d goes on without %d group(s) lost to corrupt shards: %s",
@@ -315,7 +320,8 @@ class TrainRole:
         table, done = self.buffer.take(step)
         return table, done, waited, lost
 
-    def group_lost(self, index: int) -> bool:
+    def rollouts_audit(self) -> StreamReader:
+        """A reader of the rollouts stream that only looks (it never reads or acks)."""
         if self._rollouts is None:
             self._rollouts = StreamReader(
                 self.config.storage.url,
@@ -324,7 +330,7 @@ class TrainRole:
                 consumer="trainer-audit",
                 storage_options=self.config.storage.options,
             )
-        return group_lost(self._rollouts, self.reader, index)
+        return self._rollouts
 
     def publish(
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]

@@ -17,9 +17,16 @@ import pyarrow as pa
 import pytest
 
 from engines.staleness import StalenessGate
-from infra.streams import CorruptShardError, ShardRef, StreamReader, StreamWriter, table_from_rows
+from infra.streams import (
+    CorruptShardError,
+    ShardRef,
+    StreamReader,
+    StreamWriter,
+    shard_key_tag,
+    table_from_rows,
+)
 from tasks.common import group_index_of, group_key
-from tasks.train import GroupBuffer, group_lost
+from tasks.train import GroupBuffer, lost_groups
 
 
 def ref(name: str, groups: int = 1) -> ShardRef:
@@ -137,25 +144,24 @@ def test_a_group_is_lost_only_when_a_shard_of_it_was_quarantined(tmp_path: Path)
         if i != 1:  # group 1 is not scored yet
             scored.write(table_from_rows(rows), shard_key=names[i])
     audit = StreamReader(root, "run", "scored", consumer="audit")
-    found = audit.find_keyed(names[0])
-    assert found is not None and found[0] == "committed"
+    (scored_name,) = [r.name for r in audit.committed() if r.tag == shard_key_tag(names[0])]
     # group 0's scored shard and group 2's rollout shard go corrupt on disk
-    (tmp_path / "run" / "scored" / found[1]).write_bytes(b"not arrow")
+    (tmp_path / "run" / "scored" / scored_name).write_bytes(b"not arrow")
     (tmp_path / "run" / "rollouts" / names[2]).write_bytes(b"garbage")
 
     rollout_reader = StreamReader(root, "run", "rollouts", consumer="audit")
     scored_reader = StreamReader(root, "run", "scored", consumer="trainer")
-    assert not group_lost(rollout_reader, scored_reader, 0)  # corrupt, not yet found out
+    assert lost_groups(rollout_reader, scored_reader, [0]) == []  # corrupt, not yet found out
     with pytest.raises(CorruptShardError):
-        scored_reader.read(next(r for r in scored_reader.poll() if r.name == found[1]))
+        scored_reader.read(next(r for r in scored_reader.poll() if r.name == scored_name))
     with pytest.raises(CorruptShardError):
         StreamReader(root, "run", "rollouts", consumer="reward").read(
             next(r for r in rollout_reader.poll() if r.name == names[2])
         )
-    assert group_lost(rollout_reader, scored_reader, 0)
-    assert not group_lost(rollout_reader, scored_reader, 1)  # still being scored
-    assert group_lost(rollout_reader, scored_reader, 2)
-    assert not group_lost(rollout_reader, scored_reader, 3)  # never issued yet
+    assert lost_groups(rollout_reader, scored_reader, [0]) == [0]
+    assert lost_groups(rollout_reader, scored_reader, [1]) == []  # still being scored
+    assert lost_groups(rollout_reader, scored_reader, [2]) == [2]
+    assert lost_groups(rollout_reader, scored_reader, [3]) == []  # never issued yet
 
 
 # ------------------------------------------------------------------ the staleness bound
