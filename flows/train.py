@@ -50,7 +50,73 @@ def write_resolved_config(config: RunConfig, run_id: str) -> Path:
     return path
 
 
-def progress_line(statuses: dict[str, dict[str, Any]], total_steps: int) -> str:
+def format_duration(seconds: float) -> str:
+    """12s, 8m20s, 1h05m: short enough for a progress line."""
+    whole = max(0, round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def seconds_left(steps_done: int, seconds_for_steps: float, steps_left: int) -> float | None:
+    """Seconds to the last step at the pace so far; None until a step has been timed.
+
+    `steps_done` steps took `seconds_for_steps`; `steps_left` remain.
+    """
+    if steps_done <= 0 or seconds_for_steps <= 0:
+        return None
+    return max(0, steps_left) * seconds_for_steps / steps_done
+
+
+class StepPace:
+    """The training pace seen in the train role's status documents, for the ETA.
+
+    The clock starts at the first step completed while watching, not at the flow's
+    start: model loading and (async) the rollout pipeline filling up happen once and
+    would stretch every estimate. Steps are timed by the `updated_at` the role stamps on
+    its document right after a step, so the watch's 5 s polling adds no error and a role
+    on another machine with a skewed clock still measures its own durations.
+    """
+
+    def __init__(self) -> None:
+        self._last_step: int | None = None
+        self._start_step = 0
+        self._first: tuple[int, float] | None = None
+        self._latest: tuple[int, float] | None = None
+
+    def observe(self, train_status: dict[str, Any]) -> None:
+        step, at = train_status.get("step"), train_status.get("updated_at")
+        if step is None or at is None:
+            return
+        if self._last_step is None or step < self._last_step:
+            # The first document seen may be stale (the run before a resume) or a
+            # start-up write; a step number going down is a role re-training from its
+            # last committed version. Either way, time only steps completed after it.
+            self._start_step, self._first, self._latest = step, None, None
+        self._last_step = step
+        # Only documents written right after a step carry `wall_time_s`.
+        if step <= self._start_step or "wall_time_s" not in train_status:
+            return
+        if self._first is None or self._latest is None:
+            self._first = self._latest = (step, at)
+        elif step > self._latest[0]:
+            self._latest = (step, at)
+
+    def eta_s(self, total_steps: int) -> float | None:
+        if self._first is None or self._latest is None:
+            return None
+        (first_step, first_at), (step, at) = self._first, self._latest
+        return seconds_left(step - first_step, at - first_at, total_steps - step)
+
+
+def progress_line(
+    statuses: dict[str, dict[str, Any]],
+    total_steps: int,
+    elapsed_s: float | None = None,
+    eta_s: float | None = None,
+) -> str:
     train = statuses.get("train", {})
     rollout = statuses.get("rollout", {})
     evaluation = statuses.get("evaluate", {})
@@ -58,8 +124,12 @@ def progress_line(statuses: dict[str, dict[str, Any]], total_steps: int) -> str:
     def fmt(value: Any, spec: str = ".3f") -> str:
         return "-" if value is None else format(value, spec)
 
+    def duration(seconds: float | None) -> str:
+        return "-" if seconds is None else format_duration(seconds)
+
     return (
         f"step {train.get('step', 0)}/{total_steps}"
+        f" | elapsed {duration(elapsed_s)} | ETA {duration(eta_s)}"
         f" | version {rollout.get('policy_version', '-')}"
         f" | reward {fmt(train.get('reward_mean'))}"
         f" | held-out {fmt(evaluation.get('last_reward'))}"
@@ -72,20 +142,36 @@ def progress_line(statuses: dict[str, dict[str, Any]], total_steps: int) -> str:
 def watch_progress(
     config: RunConfig, run_id: str, futures: dict[str, Any], interval_s: float = 5.0
 ) -> None:
-    """Console line and Prefect progress artifact until every role has finished."""
+    """Console line and Prefect progress artifact until every role has finished.
+
+    Serves both flows: the synchronous loop writes the same `train` status document.
+    """
     paths = run_paths(config, run_id)
     total = config.trainer.total_steps
     artifact_id = create_progress_artifact(0.0, key=None, description=f"Sluice run {run_id}")
-    last_line = ""
+    started = time.monotonic()
+    pace = StepPace()
+    last_state = ""
     while not all(f.state.is_final() for f in futures.values()):
         time.sleep(interval_s)
         statuses = read_statuses(config, paths)
-        step = statuses.get("train", {}).get("step", 0)
-        update_progress_artifact(artifact_id, progress=100.0 * min(step, total) / total)
-        line = progress_line(statuses, total)
-        if line != last_line:
-            print(line, flush=True)
-            last_line = line
+        train = statuses.get("train", {})
+        pace.observe(train)
+        step = train.get("step", 0)
+        elapsed, eta = time.monotonic() - started, pace.eta_s(total)
+        update_progress_artifact(
+            artifact_id,
+            progress=100.0 * min(step, total) / total,
+            description=(
+                f"Sluice run {run_id}: step {step}/{total}, elapsed {format_duration(elapsed)}"
+                f", ETA {'-' if eta is None else format_duration(eta)}"
+            ),
+        )
+        # Printed when the roles report something new, not on every tick of the clock.
+        state = progress_line(statuses, total)
+        if state != last_state:
+            print(progress_line(statuses, total, elapsed, eta), flush=True)
+            last_state = state
         failed = [r for r, f in futures.items() if f.state.is_failed()]
         if failed:  # one role failed for good: stop the others so the run ends
             RunControl(config, paths).mark_done(f"role failed: {', '.join(failed)}")
@@ -195,4 +281,6 @@ def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
     print(
         f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open {result.get('mlflow_run_url', '')})"
     )
+    if "reward_curve_artifact" in result:
+        print(f"  curves:      {result['reward_curve_artifact']} in the MLflow run's artifacts")
     print("  Prefect UI:  prefect server start   (flow runs at http://127.0.0.1:4200/runs)")

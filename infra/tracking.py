@@ -44,6 +44,8 @@ _METRICS_PER_BATCH = 1000
 _MAX_PARAM_VALUE_CHARS = 6000
 # Statuses a restarted flow picks up again; a FINISHED run is never reopened by name.
 _RESUMABLE_STATUSES = ("RUNNING", "SCHEDULED", "FAILED", "KILLED")
+# Where `mlflow ui` listens unless told otherwise.
+_LOCAL_UI = "http://127.0.0.1:5000"
 
 _clients: dict[str, MlflowClient] = {}
 _clients_lock = threading.Lock()
@@ -227,6 +229,24 @@ def start_or_resume_run(
     return resumed_id
 
 
+def get_run_experiment_id(tracking_uri: str, run_id: str) -> str:
+    """The id of the experiment that holds `run_id` (TrackingError if the run is unknown)."""
+    client = _client_for(tracking_uri, run_id)
+    with _mlflow_errors(tracking_uri, f"reading MLflow run {run_id!r}"):
+        return str(client.get_run(run_id).info.experiment_id)
+
+
+def run_ui_url(tracking_uri: str, run_id: str) -> str:
+    """The MLflow UI page of `run_id`, under the experiment that actually holds it.
+
+    An HTTP tracking server serves its own UI; for a local store (sqlite, files) the base
+    is where `mlflow ui --backend-store-uri <uri>` listens by default.
+    """
+    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else _LOCAL_UI
+    experiment_id = get_run_experiment_id(tracking_uri, run_id)
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     """Mark the run FINISHED, FAILED or KILLED."""
     if status not in ("FINISHED", "FAILED", "KILLED"):
@@ -353,10 +373,22 @@ def log_metrics(
 
 def get_metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) pairs of one metric, ordered by step (for reports and tests)."""
+    return sorted(
+        (step, value) for step, value, _ in get_metric_timeline(tracking_uri, run_id, key)
+    )
+
+
+def get_metric_timeline(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float, int]]:
+    """(step, value, timestamp_ms) of one metric, ordered by step then time.
+
+    The timestamp is when the logging process recorded the value (ms since the epoch),
+    which is what plots against wall-clock time need.
+    """
     client = _client_for(tracking_uri, run_id)
     with _mlflow_errors(tracking_uri, f"reading metric {key!r} of run {run_id!r}"):
         history = client.get_metric_history(run_id, key)
-    return sorted((int(m.step), float(m.value)) for m in history)
+    timeline = [(int(m.step), float(m.value), int(m.timestamp)) for m in history]
+    return sorted(timeline, key=lambda point: (point[0], point[2]))
 
 
 # ---------------------------------------------------------------- artifacts

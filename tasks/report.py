@@ -1,12 +1,16 @@
-"""What a finished run leaves for people: a reward curve, a summary, a table of versions.
+"""What a finished run leaves for people: reward curves, a summary, a table of versions.
 
-MLflow gets the reward-curve PNG; Prefect gets a markdown summary artifact and a table
-artifact with the held-out result of every evaluated policy version.
+MLflow gets one PNG (`plots/reward_curve.png`): training-batch and held-out reward
+against policy version, and beside it the same against wall-clock seconds, which is
+how an asynchronous and a synchronous run of the same config are compared. Prefect gets
+a markdown summary artifact and a table artifact with the held-out result of every
+evaluated policy version.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefect import task
@@ -14,37 +18,110 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from infra.config import RunConfig
-from infra.tracking import end_run, get_metric_history, log_figure_png
+from infra.tracking import (
+    end_run,
+    get_metric_history,
+    get_metric_timeline,
+    log_figure_png,
+    run_ui_url,
+)
 from tasks.common import registered_model_name, run_registry
+
+REWARD_CURVE_ARTIFACT = "plots/reward_curve.png"
+
+Curve = Sequence[tuple[float, float]]
 
 
 def reward_curve_png(
-    train_reward: list[tuple[int, float]], held_out: list[tuple[int, float]], title: str
+    train_reward: Curve,
+    held_out: Curve,
+    title: str,
+    *,
+    train_reward_by_time: Curve = (),
+    held_out_by_time: Curve = (),
 ) -> bytes:
+    """PNG bytes: reward against policy version, plus a panel against seconds if given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train_reward:
-        ax.plot(*zip(*train_reward, strict=True), label="training batch reward", alpha=0.6)
-    if held_out:
-        ax.plot(*zip(*held_out, strict=True), "o-", label="held-out reward")
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    timed = bool(train_reward_by_time or held_out_by_time)
+    fig, axes = plt.subplots(
+        1, 2 if timed else 1, figsize=(12 if timed else 7, 4), squeeze=False, sharey=True
+    )
+    panels = [(axes[0][0], train_reward, held_out, "policy version")]
+    if timed:
+        panels.append(
+            (
+                axes[0][1],
+                train_reward_by_time,
+                held_out_by_time,
+                "seconds since policy version 0 was committed",
+            )
+        )
+    for ax, train, evaluated, xlabel in panels:
+        if train:
+            ax.plot(*zip(*train, strict=True), label="training batch reward", alpha=0.6)
+        if evaluated:
+            ax.plot(*zip(*evaluated, strict=True), "o-", label="held-out reward")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean reward")
+        ax.grid(alpha=0.3)
+        if train or evaluated:
+            ax.legend()
+    fig.suptitle(title)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     return buffer.getvalue()
 
 
-def mlflow_run_url(tracking_uri: str, run_id: str) -> str:
-    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base.rstrip('/')}/#/experiments/0/runs/{run_id}"
+def rewards_by_time(
+    train_timeline: Sequence[tuple[int, float, int]],
+    held_out: Curve,
+    committed_at_ms: Mapping[int, int],
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(training reward, held-out reward) against seconds since version 0 was committed.
+
+    A held-out point sits at the commit time of the version it evaluated, not at the
+    time its evaluation finished: the evaluate role runs at low priority and skips
+    ahead, so its own timestamps lag by a varying amount, while a version's commit is
+    when that policy started to exist. Training rewards sit at their MLflow timestamps
+    (logged right after the step that produced the version). Without a commit time for
+    version 0 there is no common zero, and both lists are empty.
+    """
+    if 0 not in committed_at_ms:
+        return [], []
+    zero_ms = committed_at_ms[0]
+    # Sorted by time: a resumed run logs its re-trained steps again, later.
+    train = sorted(((at_ms - zero_ms) / 1000.0, reward) for _, reward, at_ms in train_timeline)
+    evaluated = sorted(
+        ((committed_at_ms[int(version)] - zero_ms) / 1000.0, reward)
+        for version, reward in held_out
+        if int(version) in committed_at_ms
+    )
+    return train, evaluated
+
+
+def log_reward_curves(config: RunConfig, run_id: str, mlflow_run_id: str) -> str:
+    """Plot the run's reward curves from MLflow and the registry, log the PNG; return its path."""
+    uri = config.tracking.uri
+    train_timeline = get_metric_timeline(uri, mlflow_run_id, "reward/mean")
+    held_out = get_metric_history(uri, mlflow_run_id, "eval/reward")
+    committed_at_ms = {
+        v.policy_version: v.created_at_ms for v in run_registry(config, run_id).versions()
+    }
+    train_by_time, held_out_by_time = rewards_by_time(train_timeline, held_out, committed_at_ms)
+    png = reward_curve_png(
+        [(step, reward) for step, reward, _ in train_timeline],
+        held_out,
+        f"Sluice run {run_id}",
+        train_reward_by_time=train_by_time,
+        held_out_by_time=held_out_by_time,
+    )
+    log_figure_png(uri, mlflow_run_id, png, REWARD_CURVE_ARTIFACT)
+    return REWARD_CURVE_ARTIFACT
 
 
 def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, Any]:
@@ -58,7 +135,7 @@ def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, A
     result: dict[str, Any] = {
         "run_id": run_id,
         "mlflow_run_id": mlflow_run_id,
-        "mlflow_run_url": mlflow_run_url(uri, mlflow_run_id),
+        "mlflow_run_url": run_ui_url(uri, mlflow_run_id),
         "registered_model": registered_model_name(config, run_id),
         "policy_versions": len(versions),
         "final_policy_version": latest.policy_version if latest else None,
@@ -77,12 +154,10 @@ def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, A
 
 @task(name="publish-summary", cache_policy=NO_CACHE, persist_result=False)
 def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> dict[str, Any]:
-    """Reward curve to MLflow, summary and per-version table to Prefect; closes the MLflow run."""
+    """Reward curves to MLflow, summary and per-version table to Prefect; closes the MLflow run."""
     cfg = RunConfig.model_validate(config)
     result = summarise(cfg, run_id, mlflow_run_id)
-    train_reward = get_metric_history(cfg.tracking.uri, mlflow_run_id, "reward/mean")
-    png = reward_curve_png(train_reward, result["held_out_curve"], f"Sluice run {run_id}")
-    log_figure_png(cfg.tracking.uri, mlflow_run_id, png, "plots/reward_curve.png")
+    result["reward_curve_artifact"] = curves = log_reward_curves(cfg, run_id, mlflow_run_id)
     registry = run_registry(cfg, run_id)
     rows = [
         {
@@ -109,6 +184,7 @@ def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> 
         f"- effective training throughput: {result.get('effective_tokens_per_s', float('nan')):.0f} trained tokens/s",
         f"- checkpoint: `{result['checkpoint_uri']}`",
         f"- MLflow run: {result['mlflow_run_url']} (`mlflow ui --backend-store-uri {cfg.tracking.uri}`)",
+        f"- reward curves: `{curves}` in the MLflow run",
     ]
     create_markdown_artifact(
         "\n".join(lines), key="run-summary", description=f"Summary of {run_id}"
