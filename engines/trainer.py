@@ -43,6 +43,7 @@ from engines.rollout_correction import RolloutCorrectionFn
 
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
+RNG_STATE_FILE = "trainer_rng.pt"
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,11 @@ class PolicyTrainer:
         state_path = Path(model_dir) / TRAINER_STATE_FILE
         if state_path.exists():
             self.steps_done = int(json.loads(state_path.read_text()).get("steps_done", 0))
+        rng_path = Path(model_dir) / RNG_STATE_FILE
+        if rng_path.exists():
+            # Re-seeding on load would replay step 1's minibatch split after every restart
+            # (or Prefect retry), so a resumed seeded run would leave the uninterrupted one.
+            self._generator.set_state(torch.load(rng_path))
 
     # ------------------------------------------------------------ log-probs
 
@@ -325,13 +331,14 @@ class PolicyTrainer:
         include_optimizer: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> Path:
-        """Write an HF model directory (+ optimizer state) that inference engines load."""
+        """Write an HF model directory (+ optimizer and minibatch-RNG state) that inference engines load."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
         if include_optimizer:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+            torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
         state = {"steps_done": self.steps_done, **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
         return out

@@ -204,7 +204,11 @@ def read_statuses(config: RunConfig, paths: RunPaths) -> dict[str, dict[str, Any
 
 
 def role_threads(config: RunConfig, role: str) -> int:
-    """torch threads for one role process: the busy roles share the cores, never oversubscribe."""
+    """torch threads for one role process: the busy roles share the cores, never oversubscribe.
+
+    The count also fixes how float reductions are split, so seeded runs are bit-identical
+    only at the same count: `None` follows the machine's cores, a number pins it.
+    """
     if config.threads_per_role is not None:
         return config.threads_per_role
     cores = os.cpu_count() or 1
