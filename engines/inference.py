@@ -28,6 +28,12 @@ Sampling conventions (the trainer relies on them):
   ``(seed, output token index)``, so a request's tokens do not depend on which
   other requests share its batch, nor on retraction or re-prefill.
 
+Mismatch injection (studies only): with ``weight_noise_std`` σ > 0 every weight the
+engine loads (the initial checkpoint and each ``update_weights_from_disk``) becomes
+w + σ·std(w)·N(0, 1), drawn from a generator keyed by ``(seed, weight version, tensor
+name)``. The trainer keeps clean weights, so π_behav ≠ π_prox by construction and a
+rollout-correction study has a known, reproducible mismatch to correct.
+
 Departures from SGLang/AReaL worth knowing: there is no prefix (radix) cache,
 prefill and decode run as separate forward passes of one scheduler step, and
 models whose attention uses an active sliding window shorter than
@@ -38,9 +44,11 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -359,6 +367,44 @@ def read_weight_files(model_path: str | Path) -> dict[str, torch.Tensor]:
     )
 
 
+def _noise_generator(seed: int, weight_version: int, name: str) -> torch.Generator:
+    # Keyed by the tensor's name, not its position: the noise of one tensor never depends
+    # on which other tensors a checkpoint holds or the order they were read in.
+    key = np.random.SeedSequence(
+        [seed & _U64_MASK, weight_version & _U64_MASK, zlib.crc32(name.encode())]
+    )
+    return torch.Generator().manual_seed(int(key.generate_state(1, np.uint64)[0]))
+
+
+def perturb_weights(
+    tensors: dict[str, torch.Tensor], noise_std: float, *, seed: int, weight_version: int
+) -> dict[str, torch.Tensor]:
+    """``w + noise_std · std(w) · N(0, 1)`` for every floating tensor (integer buffers kept).
+
+    The noise is relative to each tensor's own spread, so one σ perturbs embeddings, norms
+    and projections alike; a constant tensor (an all-ones norm) stays exact. Drawn on the
+    CPU in float32 from a generator keyed by ``(seed, weight_version, name)``: the same
+    checkpoint served as the same version gets the same noise on any machine, and every
+    new version gets fresh noise, as a real kernel or precision mismatch would.
+    """
+    if not noise_std:
+        return tensors
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            out[name] = tensor
+            continue
+        clean = tensor.detach().to(device="cpu", dtype=torch.float32)
+        noise = torch.randn(
+            clean.shape,
+            generator=_noise_generator(seed, weight_version, name),
+            dtype=torch.float32,
+        )
+        scale = noise_std * clean.std(correction=0) if clean.numel() else 0.0
+        out[name] = (clean + scale * noise).to(tensor.dtype)
+    return out
+
+
 class InferenceEngine:
     """Continuous-batching generator over a local Hugging Face causal LM.
 
@@ -381,6 +427,7 @@ class InferenceEngine:
         weight_version: int = 0,
         max_prefill_tokens: int = 8192,
         num_threads: int | None = None,
+        weight_noise_std: float = 0.0,
     ) -> None:
         """Load ``model_dir`` (local files only) and allocate the KV cache.
 
@@ -398,6 +445,9 @@ class InferenceEngine:
                 process-wide setting). Small models decode fastest on 1: their
                 matmuls are too small to split, and on a shared CPU extra
                 threads mostly spin against each other.
+            weight_noise_std: relative std of Gaussian noise added to every weight
+                loaded, keyed by ``(seed, weight version)`` (see ``perturb_weights``);
+                injects train–inference mismatch on purpose. 0 = off.
         """
         from transformers import AutoModelForCausalLM
 
@@ -409,6 +459,8 @@ class InferenceEngine:
             raise ValueError(f"device {device!r} requested but CUDA is not available")
         if not Path(model_dir).is_dir():
             raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+        if not (math.isfinite(weight_noise_std) and weight_noise_std >= 0):
+            raise ValueError(f"weight_noise_std must be finite and >= 0, got {weight_noise_std}")
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -462,6 +514,16 @@ class InferenceEngine:
 
         self._weight_version = int(weight_version)
         self._seed_rng = np.random.default_rng(seed)
+        self.weight_noise_std = float(weight_noise_std)
+        self._noise_seed = int(seed)
+        if self.weight_noise_std:
+            # from_pretrained loaded clean weights; overwrite them exactly as an update
+            # would, so version 0 is perturbed like every later version.
+            tensors = read_weight_files(self.model_dir)
+            targets = self._match_state_dict(tensors, self.model_dir)
+            with torch.no_grad():
+                for name, tensor in self._perturb(tensors, self._weight_version).items():
+                    targets[name].copy_(tensor)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._update_lock = threading.Lock()
@@ -744,7 +806,7 @@ class InferenceEngine:
         with self._update_lock:
             t0 = time.perf_counter()
             # Reading from disk happens while generation keeps running.
-            tensors = read_weight_files(model_path)
+            tensors = self._perturb(read_weight_files(model_path), weight_version)
             self._check_config(model_path)
             targets = self._match_state_dict(tensors, model_path)
             read_s = time.perf_counter() - t0
@@ -778,6 +840,13 @@ class InferenceEngine:
                 drain_wait_s=drain_wait_s,
                 apply_s=apply_s,
             )
+
+    def _perturb(
+        self, tensors: dict[str, torch.Tensor], weight_version: int
+    ) -> dict[str, torch.Tensor]:
+        return perturb_weights(
+            tensors, self.weight_noise_std, seed=self._noise_seed, weight_version=weight_version
+        )
 
     def _check_config(self, model_path: str | Path) -> None:
         config_path = Path(model_path) / "config.json"

@@ -706,6 +706,7 @@ def serve(
     num_threads: int | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    weight_noise_std: float = 0.0,
 ) -> None:
     """Load ``model_dir`` and serve it until interrupted."""
     import uvicorn
@@ -721,6 +722,7 @@ def serve(
         seed=seed,
         weight_version=weight_version,
         num_threads=num_threads,
+        weight_noise_std=weight_noise_std,
     )
     app = create_app(
         engine,
@@ -754,6 +756,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--weight-noise-std",
+        type=float,
+        default=0.0,
+        help="relative std of Gaussian noise added to every weight loaded, seeded by "
+        "(--seed, weight version): injects train-inference mismatch on purpose (0 = off)",
+    )
     args = parser.parse_args(argv)
     serve(
         args.model,
@@ -768,6 +777,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.num_threads,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
+        weight_noise_std=args.weight_noise_std,
     )
 
 

@@ -18,6 +18,11 @@ are never divided by each other.
 Departure from a cluster benchmark: here the "devices" are two CPU cores shared by every
 role, so async wins only what sync wastes waiting on the longest response, not what a
 dedicated inference fleet adds.
+
+The machinery every `sluice bench` shares lives here too: bench-sized defaults that
+yield to explicit `--set`, and `publish_report` (markdown + JSON under
+`{workdir}/bench/`, a Prefect markdown artifact, and both files on an MLflow run named
+for the benchmark). The learning-fidelity studies are in flows/studies.py.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from infra.config import ConfigError, RunConfig
-from infra.tracking import get_metric_history
+from infra.tracking import (
+    end_run,
+    get_metric_history,
+    log_artifact_file,
+    log_config,
+    start_or_resume_run,
+)
 
 # Bench-sized defaults: enough steps for throughput to settle, eval only at both ends so
 # the held-out role steals the same little CPU from every variant. Overridable by --set.
@@ -150,7 +161,7 @@ def bench_async_vs_sync(
         if unknown:
             raise ConfigError(f"unknown bench variant(s) {unknown}; known: {list(known)}")
         chosen = [known[v] for v in variants]
-    tag = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    tag = bench_tag()
     results: list[VariantResult] = []
     for variant in chosen:
         config_v = variant_config(config, variant, tag)
@@ -163,34 +174,100 @@ def bench_async_vs_sync(
         results.append(collect(config_v, variant, outcome, time.monotonic() - started))
         print(ratio_table(results), flush=True)
     table = ratio_table(results)
-    header = (
-        f"# sluice bench async-vs-sync ({tag} UTC)\n\n"
+    report = f"# sluice bench async-vs-sync ({tag} UTC)\n\n{run_shape(config)}\n\n{table}\n"
+    print("\n" + report, flush=True)
+    payload = [asdict(r) for r in results]
+    publish_report(config, "async-vs-sync", tag, report, payload, report_dir)
+    return payload
+
+
+# ---------------------------------------------------------------- shared machinery
+
+
+def bench_tag() -> str:
+    """UTC start time: names the report files and the MLflow run of one invocation."""
+    return datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+
+
+def run_shape(config: RunConfig) -> str:
+    """One line of what every run of a benchmark shares: machine and batch shape."""
+    return (
         f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
         f"python {platform.python_version()}; steps {config.trainer.total_steps}, "
         f"B {config.trainer.prompts_per_batch} × G {config.rollout.group_size}, "
-        f"max_new_tokens {config.rollout.max_new_tokens}\n\n"
+        f"max_new_tokens {config.rollout.max_new_tokens}"
     )
-    report = header + table + "\n"
-    print("\n" + report, flush=True)
-    out = Path(report_dir or Path(config.workdir) / "bench")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"async-vs-sync-{tag}.md").write_text(report)
-    (out / f"async-vs-sync-{tag}.json").write_text(
-        json.dumps([asdict(r) for r in results], indent=2)
-    )
-    create_markdown_artifact(report, key="bench-async-vs-sync", description="async vs sync")
-    return [asdict(r) for r in results]
 
 
-def apply_bench_defaults(config: RunConfig, overrides: list[str]) -> RunConfig:
-    """Bench-sized steps and eval cadence unless the user set them explicitly."""
+def with_settings(config: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """A validated copy of `config` with dotted keys (any depth) set to new values."""
+    data = config.model_dump(mode="json")
+    for key, value in settings.items():
+        node = data
+        *sections, leaf = key.split(".")
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"unknown config key '{key}'")
+        node[leaf] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValueError as err:
+        raise ConfigError(f"bad bench setting {settings}: {err}") from None
+
+
+def apply_bench_defaults(
+    config: RunConfig, overrides: list[str], defaults: dict[str, Any] | None = None
+) -> RunConfig:
+    """Bench-sized settings (`BENCH_DEFAULTS` unless given) except keys set by --set."""
     explicit = {o.partition("=")[0].strip() for o in overrides}
-    for key, value in BENCH_DEFAULTS.items():
-        if key in explicit:
-            continue
-        section, field = key.split(".")
-        setattr(getattr(config, section), field, value)
-    return config
+    chosen = BENCH_DEFAULTS if defaults is None else defaults
+    return with_settings(config, {k: v for k, v in chosen.items() if k not in explicit})
+
+
+def report_paths(
+    config: RunConfig, name: str, tag: str, report_dir: str | None
+) -> tuple[Path, Path]:
+    out = Path(report_dir or Path(config.workdir) / "bench")
+    return out / f"{name}-{tag}.md", out / f"{name}-{tag}.json"
+
+
+def write_report_files(
+    config: RunConfig, name: str, tag: str, report: str, payload: Any, report_dir: str | None
+) -> tuple[Path, Path]:
+    """`{name}-{tag}.md|json`; rewritten after every run, so a stopped study keeps its rows."""
+    md, js = report_paths(config, name, tag, report_dir)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(report)
+    js.write_text(json.dumps(payload, indent=2, default=str))
+    return md, js
+
+
+def publish_report(
+    config: RunConfig,
+    name: str,
+    tag: str,
+    report: str,
+    payload: Any,
+    report_dir: str | None = None,
+) -> str:
+    """Files, a Prefect markdown artifact, and an MLflow run `bench-{name}-{tag}` holding both
+    files (under `bench/`) and the resolved base config. Returns the MLflow run id."""
+    md, js = write_report_files(config, name, tag, report, payload, report_dir)
+    create_markdown_artifact(report, key=f"bench-{name}", description=f"sluice bench {name}")
+    uri = config.tracking.uri
+    mlflow_run = start_or_resume_run(
+        uri,
+        config.tracking.experiment,
+        run_name=f"bench-{name}-{tag}",
+        artifact_location=config.tracking.artifact_location,
+        tags={"sluice.bench": name},
+    )
+    log_config(uri, mlflow_run, config)
+    for path in (md, js):
+        log_artifact_file(uri, mlflow_run, path, artifact_path="bench")
+    end_run(uri, mlflow_run)
+    return mlflow_run
 
 
 def run_from_cli(

@@ -3,7 +3,9 @@
     sluice train [CONFIG] [--set key=value ...] [--resume RUN]
     sluice eval  [CONFIG] [--set ...] [--run RUN] [--version N]
     sluice serve [CONFIG] ...            # Prefect deployments
-    sluice bench NAME [--set ...]
+    sluice bench NAME [--set ...]         # async-vs-sync | staleness | mismatch | determinism
+    sluice bench staleness [--eta E ...] [--objective decoupled|naive ...] [--seeds N]
+    sluice bench mismatch  [--mode none|token_tis|... ...] [--seeds N]
 
 A bad config fails here in milliseconds with one line, before torch, Prefect or
 MLflow are imported.
@@ -15,8 +17,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import get_args
 
-from infra.config import ConfigError, RunConfig, load_config
+from infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
+
+BENCHMARKS = ["async-vs-sync", "staleness", "mismatch", "determinism"]
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionConfig.model_fields["mode"].annotation)
 
 QUIET_ENV = {
     "DO_NOT_TRACK": "true",
@@ -83,23 +89,95 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the flows as Prefect deployments")
     _add_config_args(serve)
 
-    bench = sub.add_parser("bench", help="run a benchmark that prints side-by-side ratios")
-    bench.add_argument("name", choices=["async-vs-sync"], help="benchmark to run")
+    bench = sub.add_parser(
+        "bench", help="run a benchmark or study that prints a side-by-side table"
+    )
+    bench.add_argument("name", choices=BENCHMARKS, help="benchmark to run")
     bench.add_argument(
         "--variant",
         dest="variants",
         action="append",
         default=None,
         metavar="LABEL",
-        help="run only this variant, e.g. 'sync' or 'async η=4 interrupt' (repeatable)",
+        help="async-vs-sync: run only this variant, e.g. 'sync' or 'async η=4 interrupt' "
+        "(repeatable)",
+    )
+    bench.add_argument(
+        "--eta",
+        dest="etas",
+        action="append",
+        type=int,
+        default=None,
+        metavar="E",
+        help="staleness: run only max staleness E (repeatable; default 0 1 2 4 8)",
+    )
+    bench.add_argument(
+        "--objective",
+        dest="objectives",
+        action="append",
+        choices=["decoupled", "naive"],
+        default=None,
+        help="staleness: run only this objective (repeatable; default both)",
+    )
+    bench.add_argument(
+        "--mode",
+        dest="modes",
+        action="append",
+        choices=list(CORRECTION_MODES),
+        default=None,
+        help="mismatch: run only this correction mode (repeatable; default none token_tis "
+        "sequence_mis geometric_rs)",
+    )
+    bench.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="staleness, mismatch: seeds per cell, seed .. seed+N-1 (default 3; "
+        "--set seed=S shifts them)",
     )
     _add_config_args(bench)
     return parser
 
 
+def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
+    """Study options that cannot apply fail here, before anything is imported or run."""
+    from flows.study_stats import VARIED_KEYS
+
+    allowed = {
+        ("variants", "--variant"): {"async-vs-sync"},
+        ("etas", "--eta"): {"staleness"},
+        ("objectives", "--objective"): {"staleness"},
+        ("modes", "--mode"): {"mismatch"},
+        ("seeds", "--seeds"): {"staleness", "mismatch"},
+    }
+    for (option, flag), benches in allowed.items():
+        if getattr(args, option) is not None and args.name not in benches:
+            raise ConfigError(
+                f"{flag} applies to 'sluice bench {' / '.join(sorted(benches))}' only"
+            )
+    if args.seeds is not None and args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    if any(e < 0 for e in args.etas or []):
+        raise ConfigError(f"--eta must be >= 0, got {args.etas}")
+    explicit = {o.partition("=")[0].strip() for o in args.overrides}
+    for key, flag in VARIED_KEYS.get(args.name, {}).items():
+        if key in explicit:
+            raise ConfigError(
+                f"'sluice bench {args.name}' sets {key} in every cell; choose values with {flag}"
+            )
+    if args.name == "mismatch" and not config.trainer.loss.decoupled:
+        raise ConfigError(
+            "'sluice bench mismatch' compares rollout corrections, which only the decoupled "
+            "objective applies; drop --set trainer.loss.decoupled=false"
+        )
+
+
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]:
     args = build_parser().parse_args(argv)
     config = load_config(args.config, args.overrides)
+    if args.command == "bench":
+        check_bench_args(args, config)
     if getattr(args, "resume", None):
         # Resuming under other storage, tracking or batch settings would silently start
         # a different run, so the run's own saved config wins over CONFIG.
@@ -162,10 +240,35 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_from_cli(config)
     if args.command == "bench":
-        from flows.bench import run_from_cli as bench_from_cli
-
-        return bench_from_cli(args.name, config, args.overrides, args.variants)
+        return run_bench(args, config)
     return 2
+
+
+def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
+    if args.name == "determinism":
+        try:
+            from flows.determinism import run_from_cli as determinism_from_cli
+        except ModuleNotFoundError as err:
+            if err.name != "flows.determinism":
+                raise
+            print("sluice: error: flows/determinism.py is not in this checkout", file=sys.stderr)
+            return 2
+        return determinism_from_cli(config, args.overrides)
+    if args.name in ("staleness", "mismatch"):
+        from flows.studies import run_from_cli as study_from_cli
+
+        return study_from_cli(
+            args.name,
+            config,
+            args.overrides,
+            etas=args.etas,
+            objectives=args.objectives,
+            modes=args.modes,
+            seeds=args.seeds or 3,
+        )
+    from flows.bench import run_from_cli as bench_from_cli
+
+    return bench_from_cli(args.name, config, args.overrides, args.variants)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,8 @@ class EmbeddedServer:
             resolve_device(config.device),
             "--num-threads",
             str(role_threads(config, "rollout")),
+            "--weight-noise-std",
+            str(config.rollout.weight_noise_std),
         ]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -277,6 +279,13 @@ class Rollout:
         local = self.fetch(self.current)
         self.prompts.set_tokenizer(load_tokenizer(local))
         urls = list(cfg.rollout.server_urls)
+        if urls and cfg.rollout.weight_noise_std:
+            # An external server loads clean weights; running on would measure no
+            # injected mismatch while the config claims some.
+            raise ValueError(
+                "rollout.weight_noise_std is applied by the embedded inference server only; "
+                "unset rollout.server_urls or set rollout.weight_noise_std=0"
+            )
         if not urls:
             self.server = EmbeddedServer(
                 cfg,
