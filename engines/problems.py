@@ -21,10 +21,19 @@ up to 32 terms), which makes the reference-solution length long-tailed: p99/p50 
 about 7 (``python -m engines.problems`` prints the histogram). A long tail is what
 makes synchronous RL wait for its slowest sample (DESIGN.md §4).
 
-Two departures from a plain sampler, both from DESIGN.md §4:
+Three departures from a plain sampler:
 - the supervised warm start draws term counts *uniformly* over the whole range
-  (``sample_warmstart_prompts``); warm-starting on the long-tailed distribution
-  memorised the short answers and left RL nothing to climb;
+  (``sample_warmstart_prompts``; DESIGN.md §4): warm-starting on the long-tailed
+  distribution memorised the short answers and left RL nothing to climb;
+- half of the warm-start references are the bare answer (``=21``), half the worked
+  sum. The warm-started policy then does what pretrained LLMs do: sometimes it works
+  the problem out, sometimes it blurts an answer, and the first response token decides
+  which. A ~1M-parameter model cannot add a dozen digits in one token, so the worked
+  answers are right far more often, and RL has a real strategy to discover ("show your
+  work"), as reasoning RL on LLMs does, while its responses grow longer. Warm-started on
+  worked solutions only, the policy's errors were almost all one systematic miscopy
+  (the last term's digit), RL could only sharpen what sampling already found, and
+  held-out reward rose ~0.1 before it flattened;
 - the held-out split is disjoint from training by a hash of the prompt text, so no
   held-out prompt is ever trained on, however many prompts are drawn.
 
@@ -153,6 +162,11 @@ class LongTailSum:
     """Terms are drawn uniformly from 0..max_digit."""
     test_fraction: float = 0.1
     """Share of the prompt space (by text hash) reserved for the held-out split."""
+    direct_answer_fraction: float = 0.5
+    """Share of warm-start rows whose reference is the bare answer (``=21``) instead of the
+    worked running sum. A supervised corpus, like text on the web, mixes answers that show
+    their work with answers that don't; the warm-started policy does both, and RL has to
+    find out which one pays (see the module docstring). 0 = worked solutions only."""
     name: str = field(default="longtail_sum")
     """Task name written to each row."""
 
@@ -166,6 +180,11 @@ class LongTailSum:
             raise ValueError("longtail_sum: median_terms and sigma must be positive")
         if not 1 <= self.max_digit <= 9:
             raise ValueError(f"longtail_sum: max_digit must be in 1..9, got {self.max_digit}")
+        if not 0 <= self.direct_answer_fraction <= 1:
+            raise ValueError(
+                "longtail_sum: direct_answer_fraction must be in [0, 1], "
+                f"got {self.direct_answer_fraction}"
+            )
         if not 0 < self.test_fraction < 1:
             raise ValueError(
                 f"longtail_sum: test_fraction must be in (0, 1), got {self.test_fraction}"
@@ -238,8 +257,20 @@ class LongTailSum:
         return self._sample(n, seed, split, "longtail")
 
     def sample_warmstart_prompts(self, n: int, seed: SeedLike) -> list[PromptRow]:
-        """`n` training rows with term counts uniform over [min_terms, max_terms]."""
-        return self._sample(n, seed, "train", "uniform")
+        """`n` training rows with term counts uniform over [min_terms, max_terms].
+
+        A `direct_answer_fraction` share of them carry the bare answer as their reference
+        (``solution_style`` "direct"), the rest the worked running sum ("worked").
+        """
+        rng = as_generator(seed)
+        rows = self._sample(n, rng, "train", "uniform")
+        for row in rows:
+            if rng.random() < self.direct_answer_fraction:
+                row["solution"] = f"{ANSWER_MARKER}{row['answer']}"
+                row["solution_style"] = "direct"
+            else:
+                row["solution_style"] = "worked"
+        return rows
 
     def format_prompt(self, row: PromptRow) -> str:
         """The prompt text as is: the policy continues right after the ':'."""

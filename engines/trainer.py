@@ -151,9 +151,17 @@ class PolicyTrainer:
     # ------------------------------------------------------------ log-probs
 
     def _packed_logprobs(
-        self, batch: _Batch, indices: Sequence[int], packed: PackedBatch
+        self,
+        batch: _Batch,
+        indices: Sequence[int],
+        packed: PackedBatch,
+        entropy_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """log π(response tokens) of the samples in `indices`, flat and in that order."""
+        """log π(response tokens) of the samples in `indices`, flat and in that order.
+
+        With `entropy_out`, also appends the entropy of π at each response position
+        (how undecided the policy still is where it samples).
+        """
         out = self.model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
@@ -172,6 +180,9 @@ class PolicyTrainer:
         ).to(logits.device)
         targets = packed.input_ids[0, positions]
         log_norm = torch.logsumexp(logits[positions - 1], dim=-1)
+        if entropy_out is not None:
+            log_p = logits[positions - 1] - log_norm[:, None]
+            entropy_out.append(-(log_p.exp() * log_p).sum(-1))
         return logits[positions - 1].gather(-1, targets[:, None]).squeeze(-1) - log_norm
 
     def _micro_batches(self, batch: _Batch, indices: Sequence[int]) -> list[list[int]]:
@@ -185,13 +196,15 @@ class PolicyTrainer:
         return torch.cat([batch.tokens_of(i, flat) for i in indices])
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: _Batch) -> torch.Tensor:
+    def compute_logprobs(
+        self, batch: _Batch, entropy_out: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """log π of every response token under the current weights (flat, sample order)."""
         self.model.eval()
         result = torch.empty(batch.response_offsets[-1], dtype=torch.float32)
         for mb in self._micro_batches(batch, list(range(len(batch.sequences)))):
             packed = pack_sequences([batch.sequences[i] for i in mb]).to(self.device)
-            values = self._packed_logprobs(batch, mb, packed).cpu()
+            values = self._packed_logprobs(batch, mb, packed, entropy_out).cpu()
             offset = 0
             for i in mb:
                 n = batch.response_lens[i]
@@ -239,7 +252,8 @@ class PolicyTrainer:
         response_cu = torch.tensor(batch.response_offsets, dtype=torch.int64)
         loss_mask = torch.ones(batch.response_offsets[-1], dtype=torch.bool)
 
-        proximal = self.compute_logprobs(batch)
+        entropies: list[torch.Tensor] = []
+        proximal = self.compute_logprobs(batch, entropies)
         prox_time = time.perf_counter() - started
         weights: torch.Tensor | None = None
         corrected_mask = loss_mask
@@ -305,6 +319,7 @@ class PolicyTrainer:
         trained_tokens = int(sum(len(s) for s in batch.sequences))
         metrics.update(
             {
+                "policy/entropy": float(torch.cat(entropies).mean()),
                 "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
                 "train/grad_norm_max": float(np.max(grad_norms)) if grad_norms else 0.0,
                 "train/samples": float(n),

@@ -306,7 +306,7 @@ def warm_start(
     batch_size: int = 16,
     seed: int = 0,
     max_minutes: float = 4.0,
-    target_accuracy: float | tuple[float, float] = (0.2, 0.4),
+    target_accuracy: float | tuple[float, float] | None = (0.2, 0.4),
     out_dir: str | Path,
     eval_every: int = 50,
     num_eval_prompts: int = 128,
@@ -321,7 +321,9 @@ def warm_start(
 
     `target_accuracy` is a band (low, high) or a single low bound; training stops at
     the first evaluation at or above the low bound ('in_band', or 'above_band' when it
-    jumped past `high`), or when `steps` or `max_minutes` run out. Every `eval_every`
+    jumped past `high`), or when `steps` or `max_minutes` run out. None trains exactly
+    `steps` steps and evaluates once at the end (what a byte-for-byte rebuild needs:
+    no check on the path decides where training ends). Every `eval_every`
     steps the exponential weight average (`weight_average_decay`, 0 = raw weights) is
     scored greedily on `num_eval_prompts` held-out prompts of the RL distribution;
     the weights that were scored last are saved to `out_dir` with the report. Returns
@@ -334,9 +336,14 @@ def warm_start(
     cached = read_warm_start(out_dir)
     if cached is not None:
         return cached
-    low, high = (
-        (target_accuracy, 1.0) if isinstance(target_accuracy, int | float) else target_accuracy
-    )
+    fixed_steps = target_accuracy is None
+    if target_accuracy is None:
+        low, high = 0.0, 1.0
+        eval_every = steps
+    elif isinstance(target_accuracy, int | float):
+        low, high = float(target_accuracy), 1.0
+    else:
+        low, high = target_accuracy
     if not 0 <= low <= high <= 1:
         raise ValueError(
             f"target_accuracy band must satisfy 0 <= low <= high <= 1, got {target_accuracy}"
@@ -349,7 +356,7 @@ def warm_start(
     say = progress or log.info
 
     started = time.monotonic()
-    deadline = started + 60.0 * max_minutes
+    deadline = float("inf") if fixed_steps else started + 60.0 * max_minutes
     model, tokenizer = load_policy_dir(model_dir, device=device)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -390,6 +397,12 @@ def warm_start(
             average.update(model)
         step += 1
         window.append(loss)
+        if fixed_steps and step % 100 == 0 and step < steps:
+            spent = time.monotonic() - started
+            say(
+                f"warm start step {step}/{steps}: loss {np.mean(window[-100:]):.4f}, "
+                f"{spent:.0f}s, about {spent / step * (steps - step):.0f}s left"
+            )
         out_of_time = time.monotonic() >= deadline
         if step % eval_every == 0 or step == steps or out_of_time:
             loss_curve.append((step, float(np.mean(window))))
@@ -397,16 +410,19 @@ def warm_start(
             if average is not None:
                 average.swap(model)  # evaluate the averaged weights ...
             accuracy = evaluate_greedy(model, tokenizer, problem, eval_rows, eval_new_tokens)
-            stopping = accuracy >= low or out_of_time or step == steps
+            reached = accuracy >= low and not fixed_steps
+            stopping = reached or out_of_time or step == steps
             if average is not None and not stopping:
                 average.swap(model)  # ... and train on the raw ones; at a stop, keep the average
             model.train()
             accuracy_curve.append((step, accuracy))
+            spent = time.monotonic() - started
             say(
-                f"warm start step {step}: loss {loss_curve[-1][1]:.4f} held-out greedy accuracy "
-                f"{accuracy:.3f} ({time.monotonic() - started:.0f}s)"
+                f"warm start step {step}/{steps}: loss {loss_curve[-1][1]:.4f}, held-out "
+                f"greedy accuracy {accuracy:.3f}, {spent:.0f}s, at most "
+                f"{spent / step * (steps - step):.0f}s left"
             )
-            if accuracy >= low:
+            if reached:
                 stop_reason = "in_band" if accuracy <= high else "above_band"
                 break
             if out_of_time:

@@ -231,10 +231,24 @@ def run_study(
     seed_list = seeds_of(base, seeds)
     runs: list[SeedRun] = []
     report = ""
+    total = len(cells) * len(seed_list)
+    study_started = time.monotonic()
     for cell in cells:
         for seed in seed_list:
             run_cfg = run_config(base, study, tag, cell, seed)
-            logger.info("%s: %s seed %d (run %s)", study.name, cell.label, seed, run_cfg.name)
+            done = len(runs)
+            spent = time.monotonic() - study_started
+            eta = f", about {spent / done * (total - done) / 60:.0f} min left" if done else ""
+            logger.info(
+                "%s run %d/%d: %s seed %d (run %s)%s",
+                study.name,
+                done + 1,
+                total,
+                cell.label,
+                seed,
+                run_cfg.name,
+                eta,
+            )
             started = time.monotonic()
             try:
                 outcome = train(run_cfg, run_id=run_cfg.name)

@@ -74,8 +74,10 @@ class ModelConfig(_Section):
     """Shape of the embedded tiny model (ignored when `path` is set)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training and inference. float32 on CPU."""
+    shipped_policy: bool = True
+    """Start from the warm-started policy that ships with Sluice when the tiny shape and task match it (the default's do), so no warm start runs on your clock. False, or any other shape or task, falls back to `warm_start`."""
     warm_start: bool = True
-    """Run a short supervised pass on the built-in task when no warm checkpoint is cached (embedded model only)."""
+    """Run a short supervised pass on the built-in task when no warm checkpoint is cached (embedded model only, when the shipped policy does not apply)."""
     warm_start_max_steps: int = Field(2500, ge=1)
     """Optimizer steps of the warm start at most. Seeded, the warm start stops on accuracy at the same step on any machine; this caps a run that never gets there (the default reaches 30% at step 2300, ~9 min on a quiet 2-core CPU)."""
     warm_start_eval_every: int = Field(100, ge=1)
@@ -98,7 +100,11 @@ class ProblemConfig(_Section):
     num_eval_prompts: int = Field(64, ge=1)
     """Held-out prompts per evaluation."""
     eval_samples: int = Field(1, ge=1)
-    """Samples per held-out prompt; pass@1 is averaged over them."""
+    """Samples per held-out prompt at `eval_temperature`; the held-out reward (`eval/reward`) and pass@1 are averaged over them."""
+    eval_temperature: float | None = Field(None, ge=0)
+    """Temperature of the held-out samples. None = the rollout temperature, so `eval/reward` is the RL objective (expected reward of the policy being trained) on unseen prompts; 0 = greedy decoding."""
+    eval_greedy: bool = True
+    """Also decode every held-out prompt greedily and log `eval/greedy_accuracy` (one more decoding pass per evaluation; ignored when `eval_temperature` is 0)."""
 
 
 class RolloutConfig(_Section):
@@ -126,6 +132,8 @@ class RolloutConfig(_Section):
     """How often the rollout side polls the registry alias for a newer committed version."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one generate request."""
+    weight_noise_std: float = Field(0.0, ge=0, le=10)
+    """Relative std of Gaussian noise added to every weight the embedded inference engine loads (w + σ·std(w)·N(0,1), seeded by run seed and policy version), to inject train–inference mismatch on purpose; the trainer and the evaluator keep clean weights. 0 = off (`sluice bench mismatch` sets it)."""
 
 
 class StalenessConfig(_Section):

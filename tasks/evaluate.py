@@ -1,8 +1,11 @@
 """Held-out evaluation of committed policy versions.
 
-pass@1 on the run's fixed held-out prompts, averaged over `problem.eval_samples`
-samples per prompt at the rollout temperature (greedy when eval_samples is 1 and
-temperature would only add noise to a small held-out set: see `eval_temperature`).
+The held-out reward (`eval/reward`) is the mean reward of `problem.eval_samples`
+samples per held-out prompt at `problem.eval_temperature` (default: the rollout
+temperature). That is the quantity RL maximises, measured on prompts it never trains
+on. Greedy accuracy (`eval/greedy_accuracy`) is logged beside it: it moves more slowly,
+because RL first sharpens the sampling distribution towards answers the policy could
+already give, and it says whether the policy's single most likely answer improved.
 Results go to MLflow (`eval/reward` at step = policy version) and onto the model
 version as tags, so the registry shows which version is best.
 
@@ -49,7 +52,10 @@ def evaluate_model_dir(
         incorrect_reward=config.reward.incorrect_reward,
     )
     k = config.problem.eval_samples
-    greedy = k == 1
+    temperature = config.problem.eval_temperature
+    if temperature is None:
+        temperature = config.rollout.temperature
+    with_greedy = config.problem.eval_greedy and temperature > 0
     engine = InferenceEngine(
         model_dir,
         max_batch_size=config.rollout.max_batch_size,
@@ -60,30 +66,68 @@ def evaluate_model_dir(
     requests = []
     for i, row in enumerate(rows):
         ids = source.encode_prompt(row)
+        # Fixed seeds: every version is scored on the same random numbers, so two
+        # versions differ by their weights, not by their luck.
         for j in range(k):
             sampling = SamplingParams(
                 max_new_tokens=config.rollout.max_new_tokens,
-                temperature=0.0 if greedy else config.rollout.temperature,
+                temperature=temperature,
                 seed=config.seed * 1_000_003 + i * 101 + j,
             )
             requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
+        if with_greedy:
+            sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=0.0)
+            requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
     outputs = engine.generate(requests)
     engine.shutdown()
-    rewards, correct, lengths = [], [], []
+    per_prompt = k + int(with_greedy)
+    rewards, correct, lengths, greedy_correct = [], [], [], []
     for n, out in enumerate(outputs):
-        row = rows[n // k]
+        row = rows[n // per_prompt]
         text = source.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
         reward = float(verifier(row, text))
+        if with_greedy and n % per_prompt == k:
+            greedy_correct.append(reward >= config.reward.correct_reward)
+            continue
         rewards.append(reward)
         correct.append(reward >= config.reward.correct_reward)
         lengths.append(len(out.output_token_ids))
-    return {
+    metrics = {
         "eval/reward": float(np.mean(rewards)),
         "eval/pass_at_1": float(np.mean(correct)),
         "eval/response_length_mean": float(np.mean(lengths)),
         "eval/prompts": float(len(rows)),
         "eval/time_s": time.monotonic() - started,
     }
+    metrics.update(reward_by_size(rows, rewards, k))
+    if with_greedy:
+        metrics["eval/greedy_accuracy"] = float(np.mean(greedy_correct))
+    elif temperature == 0:
+        metrics["eval/greedy_accuracy"] = metrics["eval/pass_at_1"]
+    return metrics
+
+
+SIZE_BUCKETS = ((2, 2), (3, 4), (5, 8), (9, 16), (17, 1_000_000))
+"""Problem sizes (the built-in task's `num_terms`) reported separately: RL gains and
+losses are rarely spread evenly over easy and hard prompts."""
+
+
+def reward_by_size(rows: list[dict[str, Any]], rewards: list[float], k: int) -> dict[str, float]:
+    """Held-out reward per size bucket, for rows that carry a `num_terms` size."""
+    out: dict[str, float] = {}
+    if not rows or any(not isinstance(r.get("num_terms"), int) for r in rows):
+        return out
+    for low, high in SIZE_BUCKETS:
+        chosen = [
+            rewards[i * k + j]
+            for i, row in enumerate(rows)
+            if low <= row["num_terms"] <= high
+            for j in range(k)
+        ]
+        if chosen:
+            name = f"{low}" if low == high else f"{low}-{high}" if high < 1_000_000 else f"{low}+"
+            out[f"eval/reward_terms_{name}"] = float(np.mean(chosen))
+    return out
 
 
 def eval_weights_dir(config: RunConfig, run_id: str) -> Path:

@@ -1,12 +1,14 @@
-"""Policy version 0: the user's model, or the embedded tiny model warm-started once.
+"""Policy version 0: the user's model, the shipped warm policy, or a warm start run once.
 
-The embedded default builds a ~1M-parameter Llama from config plus a character
-tokenizer (no hub download), then runs a short supervised pass on the built-in task
-with problem sizes drawn uniformly (DESIGN.md §4: warm-starting on the long-tailed
-distribution itself memorised the short answers and left RL nothing to climb). The
-result is cached under `workdir/models/` by a hash of everything that shapes it, so
-only the first run pays for it. Version 0 is committed to the registry only after
-its checkpoint is durable.
+The embedded default starts from the warm-started ~1M-parameter Llama that ships in
+the package (engines/shipped_policy.py rebuilds it byte for byte), so `sluice train`
+goes straight to RL. Another tiny shape or task builds a Llama from config plus a
+character tokenizer (no hub download) and runs a short supervised pass on the built-in
+task with problem sizes drawn uniformly (DESIGN.md §4: warm-starting on the
+long-tailed distribution itself memorised the short answers and left RL nothing to
+climb); that result is cached under `workdir/models/` by a hash of everything that
+shapes it, so only the first run pays for it. Version 0 is committed to the registry
+only after its checkpoint is durable.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines import shipped_policy
 from engines.model import build_tiny_policy
 from engines.warmstart import warm_start
 from infra.checkpoints import save_checkpoint
@@ -45,10 +48,26 @@ def warm_cache_key(config: RunConfig) -> str:
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def shipped_policy_applies(config: RunConfig) -> bool:
+    """Whether the config asks for exactly the policy that ships with Sluice."""
+    build = shipped_policy.BUILD
+    return (
+        config.model.shipped_policy
+        and config.model.path is None
+        and config.problem.dataset is None
+        and config.problem.name == build.problem
+        and config.model.tiny.model_dump() == build.tiny_shape()
+        and (shipped_policy.SHIPPED_DIR / "config.json").is_file()
+    )
+
+
 def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, dict[str, Any]]:
     """The directory of policy version 0 and a few facts about how it was made."""
     if config.model.path:
         return Path(config.model.path), {"source": "user", "path": config.model.path}
+    if shipped_policy_applies(config):
+        path = shipped_policy.SHIPPED_DIR
+        return path, {"source": "shipped-warm-policy", "path": str(path)}
     key = warm_cache_key(config)
     models = Path(config.workdir) / "models"
     base = models / f"tiny-{key}"

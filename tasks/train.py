@@ -121,6 +121,7 @@ def samples_from_table(
         "reward/std": float(rewards.std()),
         "reward/zero_variance_groups": float(result.zero_variance_groups.sum()),
         "reward/groups": float(len(codes)),
+        **gradient_sources(rewards, result.group_index.numpy(), result.advantages.numpy()),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/length_p50": float(np.percentile(lengths, 50)),
@@ -129,6 +130,33 @@ def samples_from_table(
         ),
     }
     return samples, stats
+
+
+def gradient_sources(
+    rewards: np.ndarray, group_index: np.ndarray, advantages: np.ndarray
+) -> dict[str, float]:
+    """Where a batch's policy gradient can come from, group by group.
+
+    A group whose responses all scored the same carries no advantage: `all_wrong`
+    groups are prompts the policy cannot solve yet, `all_right` ones it has mastered.
+    Only `mixed` groups move the policy; among their samples, the positive ones
+    reinforce what worked and the negative ones push down what failed.
+    """
+    num_groups = int(group_index.max()) + 1 if group_index.size else 0
+    lowest = np.full(num_groups, np.inf)
+    highest = np.full(num_groups, -np.inf)
+    np.minimum.at(lowest, group_index, rewards)
+    np.maximum.at(highest, group_index, rewards)
+    flat = lowest == highest
+    best = rewards.max() if rewards.size else 0.0
+    all_right = flat & (highest >= best) & (best > rewards.min())
+    return {
+        "grad/mixed_groups": float((~flat).sum()),
+        "grad/all_wrong_groups": float((flat & ~all_right & (highest <= rewards.min())).sum()),
+        "grad/all_right_groups": float(all_right.sum()),
+        "grad/positive_samples": float((advantages > 0).sum()),
+        "grad/negative_samples": float((advantages < 0).sum()),
+    }
 
 
 def staleness_stats(table: pa.Table, policy_version: int) -> dict[str, float]:

@@ -177,3 +177,24 @@ def test_dataset_problem_splits_by_hash_and_samples_deterministically(tmp_path):
     row = problem.sample_prompts(1, 2)[0]
     assert problem.check_answer(row, f"so x = {row['answer']}")
     assert not problem.check_answer(row, "no idea")
+
+
+def test_warm_start_references_mix_worked_sums_and_bare_answers():
+    problem = LongTailSum()
+    rows = problem.sample_warmstart_prompts(2000, seed=3)
+    direct = [r for r in rows if r["solution_style"] == "direct"]
+    assert 0.45 < len(direct) / len(rows) < 0.55
+    for row in rows:
+        reference = problem.reference_response(row)
+        assert problem.check_answer(row, reference)
+        if row["solution_style"] == "direct":
+            assert reference == "=" + row["answer"]
+        else:
+            assert reference.count("=") == row["num_terms"]
+    # The mix only shapes warm-start references: RL prompts keep the worked solution.
+    assert all(r["solution"].count("=") == r["num_terms"] for r in problem.sample_prompts(50, 3))
+
+
+def test_warm_start_references_can_be_all_worked():
+    rows = LongTailSum(direct_answer_fraction=0.0).sample_warmstart_prompts(200, seed=3)
+    assert {r["solution_style"] for r in rows} == {"worked"}

@@ -125,3 +125,12 @@ def test_bad_samples_give_one_clear_error(tiny_dir):
         trainer.train_step([TrainingSample([1, 5], [6, 7, 8], [0.0, 0.0], 1.0)])
     with pytest.raises(ValueError, match="no sample with response tokens"):
         trainer.train_step([TrainingSample([1, 5], [], [], 1.0)])
+
+
+def test_the_step_reports_the_policy_entropy_where_it_sampled(tiny_dir):
+    trainer = make_trainer(tiny_dir)
+    samples = random_samples(trainer)
+    metrics = trainer.train_step(samples)
+    # A random tiny policy is far from decided: its entropy is positive and no more than
+    # that of the uniform distribution over the vocabulary.
+    assert 0.0 < metrics["policy/entropy"] <= np.log(trainer.model.config.vocab_size) + 1e-6

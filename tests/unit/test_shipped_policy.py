@@ -1,0 +1,62 @@
+"""The warm-started policy that ships with Sluice: its bytes, its rebuild, its use."""
+
+import pytest
+
+from engines import shipped_policy
+from engines.shipped_policy import (
+    BUILD,
+    PREFIX_CHECK_SHA256,
+    PREFIX_CHECK_STEPS,
+    SHIPPED_DIR,
+    build,
+    file_digests,
+    verify,
+)
+from infra.config import load_config
+from tasks.prepare import initial_policy_dir, shipped_policy_applies
+
+
+def test_shipped_policy_files_match_their_recorded_sha256():
+    assert (SHIPPED_DIR / "model.safetensors").is_file()
+    assert verify() == []
+
+
+def test_a_changed_byte_in_the_shipped_policy_is_caught(tmp_path):
+    import shutil
+
+    copy = tmp_path / "policy"
+    shutil.copytree(SHIPPED_DIR, copy)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert verify(copy) == ["model.safetensors"]
+
+
+@pytest.mark.slow
+def test_the_first_steps_of_a_rebuild_reproduce_the_recorded_digest(tmp_path):
+    # The whole rebuild takes ~10 minutes (python -m engines.shipped_policy build); its
+    # first steps exercise the same seeds, data order, threads and optimiser.
+    out = build(tmp_path / "prefix", steps=PREFIX_CHECK_STEPS, num_eval_prompts=4, progress=str)
+    assert file_digests(out)["model.safetensors"] == PREFIX_CHECK_SHA256
+
+
+def test_the_default_run_starts_from_the_shipped_policy_without_training(tmp_path):
+    config = load_config("default", [f"workdir={tmp_path}"])
+    path, facts = initial_policy_dir(config)
+    assert path == SHIPPED_DIR
+    assert facts["source"] == "shipped-warm-policy"
+    assert not (tmp_path / "models").exists()
+
+
+def test_another_shape_or_task_does_not_get_the_shipped_policy():
+    assert shipped_policy_applies(load_config("default"))
+    assert not shipped_policy_applies(load_config("default", ["model.tiny.hidden_size=64"]))
+    assert not shipped_policy_applies(load_config("default", ["model.shipped_policy=false"]))
+    assert not shipped_policy_applies(load_config("default", ["model.path=/some/model"]))
+
+
+def test_the_shipped_build_recipe_matches_the_default_tiny_shape():
+    config = load_config("default")
+    assert config.model.tiny.model_dump() == BUILD.tiny_shape()
+    assert shipped_policy.BUILD.problem == config.problem.name
