@@ -124,7 +124,22 @@ class InferenceClient:
         self.base_urls = urls
         self.timeout_s = timeout_s
         self.default_weight_version = default_weight_version
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), transport=transport)
+        # Two connection pools. A paused server holds every in-flight /generate open, and
+        # a rollout keeps more of them in flight than httpx's default pool of 100
+        # connections: a pause, weight update or continue queued behind them in one pool
+        # would wait for a connection that only the continue can free (a deadlock seen
+        # with 128 requests in flight). Control calls get a small pool of their own, and
+        # the generation pool is unbounded (its size is the rollout's in-flight limit).
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s),
+            transport=transport,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self._control = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s),
+            transport=transport,
+            limits=httpx.Limits(max_connections=8, max_keepalive_connections=8),
+        )
         self._in_flight = dict.fromkeys(urls, 0)
         self._cursor = itertools.count()
 
@@ -136,6 +151,7 @@ class InferenceClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._control.aclose()
 
     # ------------------------------------------------------------ transport
 
@@ -147,8 +163,9 @@ class InferenceClient:
     async def _request(
         self, url: str, method: str, path: str, body: dict[str, Any] | None = None
     ) -> Any:
+        pool = self._http if path == "/generate" else self._control
         try:
-            response = await self._http.request(method, url + path, json=body)
+            response = await pool.request(method, url + path, json=body)
         except httpx.TimeoutException as exc:
             raise InferenceServerUnreachableError(
                 url,

@@ -194,6 +194,37 @@ def test_pause_update_continue_switches_versions_mid_response(served: Served) ->
     assert result.behaviour_logprobs[switch:] == pytest.approx(fresh[switch:], abs=1e-4)
 
 
+def test_a_weight_update_gets_through_while_more_than_100_requests_are_paused(
+    served: Served,
+) -> None:
+    # A rollout keeps ~128 /generate calls open; a paused server holds them all. The
+    # pause → update → continue calls must not queue behind them for a connection.
+    engine = served.engine
+    new_version = engine.weight_version + 1
+    new_dir = served.v1 if new_version % 2 else served.v0
+
+    async def go() -> tuple:
+        async with InferenceClient([served.url], timeout_s=60) as client:
+            await client.pause("retract")
+            tasks = [
+                asyncio.create_task(
+                    client.generate([3, 5 + i % 7], {"max_new_tokens": 2, "sampling_seed": i})
+                )
+                for i in range(130)
+            ]
+            while engine.num_waiting + engine.num_running < 130:
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(
+                client.update_weights_from_disk(str(new_dir), new_version), timeout=20
+            )
+            await asyncio.wait_for(client.continue_(), timeout=20)
+            return await asyncio.gather(*tasks)
+
+    results = _run(go())
+    assert len(results) == 130
+    assert all(r.token_versions == [new_version] * len(r.output_ids) for r in results)
+
+
 def test_pause_abort_returns_partial_response(served: Served) -> None:
     engine = served.engine
 

@@ -38,9 +38,23 @@ def test_held_out_reward_is_split_by_problem_size():
         "eval/reward_terms_2": 1.0,
         # sizes 3 and 4: samples (0, 1) and (1, 1) -> 3 of 4
         "eval/reward_terms_3-4": pytest.approx(0.75),
-        "eval/reward_terms_17+": 0.0,
+        "eval/reward_terms_17_up": 0.0,
     }
 
 
 def test_rows_without_a_size_get_no_size_split():
     assert reward_by_size([{"prompt": "x"}], [1.0], 1) == {}
+
+
+def test_every_new_metric_name_is_one_mlflow_accepts(tmp_path):
+    from infra.tracking import get_metric_history, log_metrics, start_or_resume_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = start_or_resume_run(uri, "names", "r", artifact_location=str(tmp_path / "a"))
+    rows = [{"num_terms": n} for n in (2, 3, 5, 9, 17)]
+    metrics = {
+        **reward_by_size(rows, [1.0] * 5, 1),
+        **gradient_sources(np.ones(2), np.array([0, 0]), np.zeros(2)),
+    }
+    assert log_metrics(uri, run, metrics, step=0) == len(metrics)
+    assert get_metric_history(uri, run, "eval/reward_terms_17_up") == [(0, 1.0)]
