@@ -125,7 +125,7 @@ def reward_by_size(rows: list[dict[str, Any]], rewards: list[float], k: int) -> 
             for j in range(k)
         ]
         if chosen:
-            name = f"{low}" if low == high else f"{low}-{high}" if high < 1_000_000 else f"{low}+"
+            name = f"{low}" if low == high else f"{low}-{high}" if high < 1_000_000 else f"{low}_up"
             out[f"eval/reward_terms_{name}"] = float(np.mean(chosen))
     return out
 

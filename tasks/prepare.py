@@ -43,7 +43,7 @@ def warm_cache_key(config: RunConfig) -> str:
         "steps": config.model.warm_start_max_steps,
         "eval_every": config.model.warm_start_eval_every,
         "max_new_tokens": config.rollout.max_new_tokens,
-        "format": 1,
+        "format": 2,  # 2: the warm-start corpus mixes bare answers with worked sums
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
