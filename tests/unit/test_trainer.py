@@ -7,21 +7,8 @@ import torch
 
 from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
 from engines.loss import make_policy_loss
-from engines.model import build_tiny_policy
 from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_policy(
-        tmp_path_factory.mktemp("tiny") / "policy",
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=64,
-        seed=0,
-    )
 
 
 def make_trainer(model_dir, **settings):

@@ -4,32 +4,11 @@ minibatch order, the optimizer moments and the step count all come back, so a re
 
 import numpy as np
 import pytest
-import torch
 
 from engines.loss import make_policy_loss
-from engines.model import build_tiny_policy
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fixed_threads():
-    # Bit-exact comparisons hold at one thread count; pin it for the whole module.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_policy(
-        tmp_path_factory.mktemp("tiny") / "policy",
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-        seed=0,
-    )
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_trainer(model_dir):

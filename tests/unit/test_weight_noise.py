@@ -7,30 +7,13 @@ import torch
 
 from engines.inference import GenerationRequest, InferenceEngine, SamplingParams, perturb_weights
 from engines.loss import make_policy_loss
-from engines.model import build_tiny_policy, load_policy_dir
+from engines.model import load_policy_dir
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
 TOKENS = torch.tensor([[1, 10, 11, 12, 20, 21, 30, 31, 5]])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_policy(
-        tmp_path_factory.mktemp("tiny") / "policy",
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=64,
-        seed=0,
-    )
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine_logits(model_dir, **kwargs):
