@@ -1,8 +1,9 @@
 """What a finished run leaves for people: reward curves, a summary, a table of versions.
 
-MLflow gets one PNG (`plots/reward_curve.png`): training-batch and held-out reward
-against policy version, and beside it the same against wall-clock seconds, which is
-how an asynchronous and a synchronous run of the same config are compared. Prefect gets
+MLflow gets one PNG (`plots/reward_curve.png`): training-batch reward, held-out reward
+and held-out greedy accuracy against policy version, and beside it the same against
+wall-clock seconds, which is how an asynchronous and a synchronous run of the same
+config are compared. Prefect gets
 a markdown summary artifact and a table artifact with the held-out result of every
 evaluated policy version.
 """
@@ -39,6 +40,8 @@ def reward_curve_png(
     *,
     train_reward_by_time: Curve = (),
     held_out_by_time: Curve = (),
+    held_out_greedy: Curve = (),
+    held_out_greedy_by_time: Curve = (),
 ) -> bytes:
     """PNG bytes: reward against policy version, plus a panel against seconds if given."""
     import matplotlib
@@ -50,21 +53,24 @@ def reward_curve_png(
     fig, axes = plt.subplots(
         1, 2 if timed else 1, figsize=(12 if timed else 7, 4), squeeze=False, sharey=True
     )
-    panels = [(axes[0][0], train_reward, held_out, "policy version")]
+    panels = [(axes[0][0], train_reward, held_out, held_out_greedy, "policy version")]
     if timed:
         panels.append(
             (
                 axes[0][1],
                 train_reward_by_time,
                 held_out_by_time,
+                held_out_greedy_by_time,
                 "seconds since policy version 0 was committed",
             )
         )
-    for ax, train, evaluated, xlabel in panels:
+    for ax, train, evaluated, greedy, xlabel in panels:
         if train:
             ax.plot(*zip(*train, strict=True), label="training batch reward", alpha=0.6)
         if evaluated:
             ax.plot(*zip(*evaluated, strict=True), "o-", label="held-out reward")
+        if greedy:
+            ax.plot(*zip(*greedy, strict=True), "s--", label="held-out greedy accuracy")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
@@ -113,12 +119,16 @@ def log_reward_curves(config: RunConfig, run_id: str, mlflow_run_id: str) -> str
         v.policy_version: v.created_at_ms for v in run_registry(config, run_id).versions()
     }
     train_by_time, held_out_by_time = rewards_by_time(train_timeline, held_out, committed_at_ms)
+    greedy = get_metric_history(uri, mlflow_run_id, "eval/greedy_accuracy")
+    _, greedy_by_time = rewards_by_time(train_timeline, greedy, committed_at_ms)
     png = reward_curve_png(
         [(step, reward) for step, reward, _ in train_timeline],
         held_out,
         f"Sluice run {run_id}",
         train_reward_by_time=train_by_time,
         held_out_by_time=held_out_by_time,
+        held_out_greedy=greedy,
+        held_out_greedy_by_time=greedy_by_time,
     )
     log_figure_png(uri, mlflow_run_id, png, REWARD_CURVE_ARTIFACT)
     return REWARD_CURVE_ARTIFACT
