@@ -18,7 +18,7 @@ Conventions every table states in its header:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,17 +221,21 @@ def _collapsed(stats: CellStats) -> str:
     return f"{stats.collapsed}/{stats.completed}"
 
 
+def _summarised(cells: Sequence[Cell], runs: Sequence[SeedRun]) -> Iterator[tuple[Cell, CellStats]]:
+    """Each cell that has at least one run, with the statistics over its runs."""
+    for cell in cells:
+        cell_runs = _runs_of(cell, runs)
+        if cell_runs:
+            yield cell, summarise(cell_runs)
+
+
 def staleness_table(cells: Sequence[Cell], runs: Sequence[SeedRun]) -> str:
     """One row per (η, objective) cell that has at least one run."""
     lines = [
         "| η | objective | held-out start | final | Δ | max staleness | k3 KL mean | collapsed |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for cell in cells:
-        cell_runs = _runs_of(cell, runs)
-        if not cell_runs:
-            continue
-        s = summarise(cell_runs)
+    for cell, s in _summarised(cells, runs):
         eta, objective = cell.key
         lines.append(
             f"| {eta} | {objective} | {s.start.format('.3f')} | {s.final.format('.3f')} "
@@ -248,11 +252,7 @@ def mismatch_table(cells: Sequence[Cell], runs: Sequence[SeedRun]) -> str:
         "| IS weight mean | IS weight max | ESS | collapsed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for cell in cells:
-        cell_runs = _runs_of(cell, runs)
-        if not cell_runs:
-            continue
-        s = summarise(cell_runs)
+    for cell, s in _summarised(cells, runs):
         lines.append(
             f"| {cell.label} | {s.start.format('.3f')} | {s.final.format('.3f')} "
             f"| {s.delta.format('+.3f')} | {s.kl_k3.format('.2e')} "
