@@ -59,6 +59,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from engines.fast_decoder import FastDecoder
+from engines.fast_decoder import supports as supports_fast
+
 FinishReason = Literal["stop", "length", "abort"]
 
 # top_k values at or above this are "off" (SGLang's default is 1 << 30).
@@ -309,11 +312,72 @@ class _SlotKVCache:
         values[self._rows, :, self._positions] = value_states[:, :, 0]
         return keys[:rows, :, : self._length], values[:rows, :, : self._length]
 
+    def snapshot(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of one slot's K/V over positions ``[0, length)``, per layer."""
+        return (
+            [k[slot, :, :length].clone() for k in self.keys],
+            [v[slot, :, :length].clone() for v in self.values],
+        )
+
+    def load(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write stored per-layer K/V (``[kv_heads, P, head_dim]``) into a slot at ``[0, P)``."""
+        length = keys[0].shape[1]
+        for dst, src in zip(self.keys, keys, strict=True):
+            dst[slot, :, :length] = src
+        for dst, src in zip(self.values, values, strict=True):
+            dst[slot, :, :length] = src
+
     @torch.inference_mode()
     def move(self, src: int, dst: int, length: int) -> None:
         for keys, values in zip(self.keys, self.values, strict=True):
             keys[dst, :, :length] = keys[src, :, :length]
             values[dst, :, :length] = values[src, :, :length]
+
+
+@dataclass
+class _PromptEntry:
+    """A prefilled prompt: its K/V per layer (``[kv_heads, P, head_dim]``) and last logits."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor
+
+
+class _PromptCache:
+    """Prefilled prompts under the current weights, least recently used evicted first.
+
+    RL samples G responses per prompt, so most admissions repeat a prompt already
+    prefilled: a hit copies the prompt's K/V into the new slot and samples the first
+    token from the stored logits, with no forward pass. Cleared whenever the weights
+    change, so a hit is always what a fresh prefill under the served weights gives
+    (up to float rounding of the batch it was computed in).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: dict[tuple[int, ...], _PromptEntry] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, prompt: tuple[int, ...]) -> _PromptEntry | None:
+        entry = self._entries.pop(prompt, None)
+        if entry is not None:
+            self._entries[prompt] = entry  # most recently used last
+        return entry
+
+    def put(self, prompt: tuple[int, ...], entry: _PromptEntry) -> None:
+        if self.capacity <= 0:
+            return
+        self._entries.pop(prompt, None)
+        self._entries[prompt] = entry
+        while len(self._entries) > self.capacity:
+            self._entries.pop(next(iter(self._entries)))
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -428,6 +492,8 @@ class InferenceEngine:
         max_prefill_tokens: int = 8192,
         num_threads: int | None = None,
         weight_noise_std: float = 0.0,
+        prompt_cache_size: int | None = None,
+        fast_forward: bool = True,
     ) -> None:
         """Load ``model_dir`` (local files only) and allocate the KV cache.
 
@@ -448,6 +514,11 @@ class InferenceEngine:
             weight_noise_std: relative std of Gaussian noise added to every weight
                 loaded, keyed by ``(seed, weight version)`` (see ``perturb_weights``);
                 injects train–inference mismatch on purpose. 0 = off.
+            prompt_cache_size: prefilled prompts kept for reuse (see ``_PromptCache``);
+                default ``max_batch_size``, 0 turns the cache off.
+            fast_forward: run Llama-shaped models through ``engines.fast_decoder``
+                (same arithmetic, fewer calls); False, or any other model type, runs
+                the Hugging Face decoder.
         """
         from transformers import AutoModelForCausalLM
 
@@ -496,6 +567,7 @@ class InferenceEngine:
         self.eos_token_ids = self._eos_ids()
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
+        self._fast = FastDecoder(self.model) if fast_forward and supports_fast(self.model) else None
         head_dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
@@ -511,6 +583,11 @@ class InferenceEngine:
                 self.device,
             )
         self._mask_min = torch.finfo(self.dtype).min
+        if prompt_cache_size is not None and prompt_cache_size < 0:
+            raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
+        self._prompts = _PromptCache(
+            max_batch_size if prompt_cache_size is None else prompt_cache_size
+        )
 
         self._weight_version = int(weight_version)
         self._seed_rng = np.random.default_rng(seed)
@@ -544,6 +621,7 @@ class InferenceEngine:
         self.prefill_forwards = 0
         self.generated_tokens = 0
         self.recomputed_tokens = 0
+        self.prefilled_tokens = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -829,6 +907,7 @@ class InferenceEngine:
                 with torch.no_grad():
                     for name, tensor in tensors.items():
                         targets[name].copy_(tensor)
+                self._prompts.clear()
                 self._weight_version = weight_version
                 self._admitting = True
                 apply_s = time.perf_counter() - t2
@@ -995,12 +1074,27 @@ class InferenceEngine:
             return True
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
-        """Prefill new or retracted sequences into fresh slots and sample their next token."""
+        """Admit new or retracted sequences into fresh slots and sample their next token.
+
+        A new sequence whose prompt is in the prompt cache (or is prefilled earlier in
+        this same admission) copies that prompt's K/V instead of running a forward.
+        """
+        to_prefill: list[_Sequence] = []
+        reuse: list[_Sequence] = []
+        first_of: set[tuple[int, ...]] = set()
+        for seq in seqs:
+            if seq.output_ids:  # retracted: recompute prompt + response under new weights
+                to_prefill.append(seq)
+            elif seq.prompt in first_of or self._prompts.get(seq.prompt) is not None:
+                reuse.append(seq)
+            else:
+                first_of.add(seq.prompt)
+                to_prefill.append(seq)
         chunk: list[_Sequence] = []
         longest = 0
         # Longest first, so each padded chunk holds sequences of similar length
         # (a recompute after a weight update re-prefills very uneven lengths).
-        for seq in sorted(seqs, key=lambda s: s.num_tokens, reverse=True):
+        for seq in sorted(to_prefill, key=lambda s: s.num_tokens, reverse=True):
             longest_if_added = max(longest, seq.num_tokens)
             if chunk and longest_if_added * (len(chunk) + 1) > self.max_prefill_tokens:
                 self._prefill_chunk(chunk)
@@ -1009,6 +1103,26 @@ class InferenceEngine:
             longest = longest_if_added
         if chunk:
             self._prefill_chunk(chunk)
+        if reuse:
+            self._admit_from_cache(reuse)
+
+    def _admit_from_cache(self, seqs: list[_Sequence]) -> None:
+        entries = []
+        for seq in seqs:
+            entry = self._prompts.get(seq.prompt)
+            if entry is None:  # evicted within this admission (cache smaller than it)
+                self._prefill_chunk([seq])
+                continue
+            if seq.admitted_step is None:
+                seq.admitted_step = self.step_count
+            self._cache.load(len(self._running), entry.keys, entry.values)
+            self._running.append(seq)
+            entries.append((seq, entry))
+        self._prompts.hits += len(entries)
+        if entries:
+            self._sample_and_advance(
+                [seq for seq, _ in entries], torch.stack([e.logits for _, e in entries])
+            )
 
     def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
         start = len(self._running)
@@ -1029,18 +1143,32 @@ class InferenceEngine:
         mask = torch.zeros((rows, 1, width, width), dtype=self.dtype, device=self.device)
         mask.masked_fill_(~allowed[:, None], self._mask_min)
         self._cache.plan_prefill(start, width)
-        hidden = self._decoder(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask,
-            position_ids=positions[None, :].expand(rows, -1),
-            past_key_values=self._cache,
-            use_cache=True,
-        ).last_hidden_state
+        hidden = self._forward(input_ids.to(self.device), positions[None, :].expand(rows, -1), mask)
         last = hidden[torch.arange(rows, device=self.device), lengths_t - 1]
         logits = self._lm_head(last).float()
         self.prefill_forwards += 1
+        self.prefilled_tokens += sum(lengths)
+        for r, seq in enumerate(seqs):
+            if not seq.output_ids:
+                self._prompts.misses += 1
+                keys, values = self._cache.snapshot(start + r, lengths[r])
+                self._prompts.put(seq.prompt, _PromptEntry(keys, values, logits[r].clone()))
         self._running.extend(seqs)
         self._sample_and_advance(seqs, logits)
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Last hidden states of the decoder over the slot cache (plan set by the caller)."""
+        if self._fast is not None:
+            return self._fast.forward(input_ids, position_ids, mask, self._cache)
+        return self._decoder(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+        ).last_hidden_state
 
     def _decode(self) -> None:
         seqs = list(self._running)
@@ -1051,13 +1179,7 @@ class InferenceEngine:
         mask = torch.zeros((len(seqs), 1, 1, kv_length), dtype=self.dtype, device=self.device)
         mask.masked_fill_((keys[None, :] > positions[:, None])[:, None, None, :], self._mask_min)
         self._cache.plan_decode(positions, kv_length)
-        hidden = self._decoder(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        ).last_hidden_state
+        hidden = self._forward(input_ids, positions[:, None], mask)
         logits = self._lm_head(hidden[:, -1]).float()
         self.decode_forwards += 1
         self._sample_and_advance(seqs, logits)

@@ -139,21 +139,40 @@ def progress_line(
     )
 
 
+def run_roles(roles: list[str], task_names: dict[str, str], *args: Any) -> dict[str, Any]:
+    """One Prefect task per role, each supervising its own OS process."""
+    return {
+        role: run_role.with_options(name=task_names[role]).submit(role, *args) for role in roles
+    }
+
+
 def watch_progress(
-    config: RunConfig, run_id: str, futures: dict[str, Any], interval_s: float = 5.0
+    config: RunConfig,
+    run_id: str,
+    futures: dict[str, Any],
+    interval_s: float = 5.0,
+    started: float | None = None,
 ) -> None:
     """Console line and Prefect progress artifact until every role has finished.
 
     Serves both flows: the synchronous loop writes the same `train` status document.
+    `started` (time.monotonic() at the flow's start) is when `trainer.time_budget_s`
+    began to run out; when it has, the roles are told to stop.
     """
     paths = run_paths(config, run_id)
     total = config.trainer.total_steps
+    budget = config.trainer.time_budget_s
     artifact_id = create_progress_artifact(0.0, key=None, description=f"Sluice run {run_id}")
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     pace = StepPace()
     last_state = ""
+    control = RunControl(config, paths)
     while not all(f.state.is_final() for f in futures.values()):
-        time.sleep(interval_s)
+        time.sleep(interval_s if budget is None else min(interval_s, 0.5))
+        if budget is not None and time.monotonic() - started >= budget:
+            if control.done_marker() is None:
+                control.mark_done(f"time budget of {budget:g} s reached")
+            budget = None
         statuses = read_statuses(config, paths)
         train = statuses.get("train", {})
         pace.observe(train)
@@ -174,7 +193,7 @@ def watch_progress(
             last_state = state
         failed = [r for r, f in futures.items() if f.state.is_failed()]
         if failed:  # one role failed for good: stop the others so the run ends
-            RunControl(config, paths).mark_done(f"role failed: {', '.join(failed)}")
+            control.mark_done(f"role failed: {', '.join(failed)}")
 
 
 class ResumeError(RuntimeError):
@@ -217,6 +236,7 @@ def train(
     consumed, the rollout side re-bases its staleness gate and re-issues groups that
     were in flight.
     """
+    started = time.monotonic()
     config = config or load_config("default")
     logger = get_run_logger()
     if resume and not run_id:
@@ -244,13 +264,9 @@ def train(
     prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
 
     log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
-    futures = {
-        role: run_role.with_options(name=ROLE_TASK_NAMES[role]).submit(
-            role, str(config_path), run_id, mlflow_run_id, log_dir
-        )
-        for role in ROLES
-    }
-    watch_progress(config, run_id, futures)
+    roles = [r for r in ROLES if r != "evaluate" or config.trainer.eval_during_run]
+    futures = run_roles(roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir)
+    watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

@@ -7,22 +7,29 @@ the async flow, so the two are compared on the same held-out numbers.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
-from flows.train import ROLE_TASK_NAMES, new_run_id, watch_progress, write_resolved_config
+from flows.train import (
+    ROLE_TASK_NAMES,
+    new_run_id,
+    run_roles,
+    watch_progress,
+    write_resolved_config,
+)
 from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
-from tasks.supervise import run_role
 
 
 @flow(name="sluice-train-sync", log_prints=True)
 def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
+    started = time.monotonic()
     config = config or load_config("default")
     run_id = run_id or new_run_id(config)
     mlflow_run_id = start_or_resume_run(
@@ -36,15 +43,10 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
     config_path = write_resolved_config(config, run_id)
     prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
     log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
-    futures = {
-        "sync": run_role.with_options(name="train-synchronously").submit(
-            "sync", str(config_path), run_id, mlflow_run_id, log_dir
-        ),
-        "evaluate": run_role.with_options(name=ROLE_TASK_NAMES["evaluate"]).submit(
-            "evaluate", str(config_path), run_id, mlflow_run_id, log_dir
-        ),
-    }
-    watch_progress(config, run_id, futures)
+    roles = ["sync", "evaluate"] if config.trainer.eval_during_run else ["sync"]
+    names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
+    futures = run_roles(roles, names, str(config_path), run_id, mlflow_run_id, log_dir)
+    watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

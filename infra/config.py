@@ -224,6 +224,10 @@ class TrainerConfig(_Section):
     """Commit a new policy version every K training steps."""
     eval_every: int = Field(5, ge=0)
     """Evaluate on held-out prompts every N steps (0 = only at the end)."""
+    eval_during_run: bool = True
+    """Run the evaluate role beside training. False leaves every core to the compared roles; committed versions are evaluated afterwards (`sluice eval`, `sluice bench time-to-target`)."""
+    time_budget_s: float | None = Field(None, gt=0)
+    """Stop the run this many wall-clock seconds after the flow started (start-up included), whatever step it reached; None = run `total_steps`."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
     correction: CorrectionConfig = CorrectionConfig()

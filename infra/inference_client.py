@@ -243,20 +243,34 @@ class InferenceClient:
         sampling_params: dict[str, Any] | None = None,
         return_logprob: bool = True,
     ) -> list[GenerateResult]:
-        """Sample ``n`` responses to one prompt concurrently (a GRPO group).
+        """Sample ``n`` responses to one prompt in one request (SGLang's ``n``; a GRPO group).
 
-        With ``sampling_seed`` set, sample j uses ``sampling_seed + j``.
+        One HTTP round trip per group instead of one per sample: on a small machine the
+        client's and the server's per-request bookkeeping is CPU the engine does not get.
+        With ``sampling_seed`` set, sample j uses ``sampling_seed + j`` (the server's rule).
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        params = dict(sampling_params or {})
-        seed = params.get("sampling_seed")
-        per_sample = [
-            {**params, "sampling_seed": seed + j} if seed is not None else params for j in range(n)
-        ]
-        return list(
-            await asyncio.gather(*(self.generate(input_ids, p, return_logprob) for p in per_sample))
-        )
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": {**(sampling_params or {}), "n": n},
+            "return_logprob": return_logprob,
+        }
+        url = self._pick_server()
+        self._in_flight[url] += n
+        try:
+            payload = await self._request(url, "POST", "/generate", body)
+        finally:
+            self._in_flight[url] -= n
+        if n == 1 and isinstance(payload, dict):
+            payload = [payload]
+        if not isinstance(payload, list) or len(payload) != n:
+            raise InferenceServerError(
+                url,
+                f"inference server {url} answered a request for {n} samples with "
+                f"{len(payload) if isinstance(payload, list) else 'a non-list'} responses",
+            )
+        return [self._parse_generate(url, item, return_logprob) for item in payload]
 
     def _version(self, url: str, label: Any) -> int:
         if isinstance(label, int) and not isinstance(label, bool):

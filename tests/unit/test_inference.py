@@ -185,9 +185,10 @@ def test_top_k_one_equals_greedy(model_dirs: dict[str, Path]) -> None:
     assert greedy[0].output_token_ids == top1[0].output_token_ids
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-forward", "hf-forward"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
-    tmp_path: Path, arch: str
+    tmp_path: Path, arch: str, fast: bool
 ) -> None:
     if arch == "qwen2":
         config: LlamaConfig | Qwen2Config = Qwen2Config(
@@ -204,7 +205,9 @@ def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
     else:
         config, model_cls = _llama_config(), LlamaForCausalLM
     model_dir = _save_model(tmp_path / arch, seed=5, config=config)
-    outputs = _engine(model_dir).generate(
+    engine = _engine(model_dir, fast_forward=fast)
+    assert (engine._fast is not None) == fast
+    outputs = engine.generate(
         [
             GenerationRequest(
                 list(range(3, 3 + n)), SamplingParams(max_new_tokens=25, seed=n, ignore_eos=True)
@@ -220,6 +223,43 @@ def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
         start = output.prompt_length - 1
         expected = [logp[start + i, t].item() for i, t in enumerate(output.output_token_ids)]
         assert output.behaviour_logprobs == pytest.approx(expected, abs=1e-5)
+
+
+def _group_requests(prompts: list[list[int]], group: int) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(prompt, SamplingParams(max_new_tokens=12, seed=100 * p + k))
+        for p, prompt in enumerate(prompts)
+        for k in range(group)
+    ]
+
+
+def test_prompt_cache_prefills_each_prompt_once_and_changes_no_output(
+    model_dirs: dict[str, Path],
+) -> None:
+    prompts = [list(range(3, 20)), list(range(5, 11)), [7, 8, 9]]
+    requests = _group_requests(prompts, group=5)
+    cached = _engine(model_dirs["v0"], max_batch_size=8)
+    uncached = _engine(model_dirs["v0"], max_batch_size=8, prompt_cache_size=0)
+    with_cache, without = cached.generate(requests), uncached.generate(requests)
+    # 15 admissions, 3 distinct prompts: only the first of each runs a forward.
+    assert cached.prefilled_tokens == sum(len(p) for p in prompts)
+    assert uncached.prefilled_tokens == 5 * sum(len(p) for p in prompts)
+    for a, b in zip(with_cache, without, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.behaviour_logprobs == pytest.approx(b.behaviour_logprobs, abs=1e-5)
+
+
+def test_prompt_cache_is_dropped_when_the_weights_change(model_dirs: dict[str, Path]) -> None:
+    requests = _group_requests([list(range(3, 20))], group=3)
+    engine = _engine(model_dirs["v0"])
+    engine.generate(requests)
+    engine.update_weights_from_disk(model_dirs["v1"], 1)
+    after_update = engine.generate(requests)
+    fresh = _engine(model_dirs["v1"], weight_version=1).generate(requests)
+    for a, b in zip(after_update, fresh, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.behaviour_logprobs == pytest.approx(b.behaviour_logprobs, abs=1e-5)
+        assert set(a.token_versions) == {1}
 
 
 def test_finished_slot_is_refilled_before_the_longest_request_finishes(

@@ -161,7 +161,9 @@ def test_client_generate_requests_decode_as_sglang_generate_requests(
     api: ModuleType, exchanges: list
 ) -> None:
     bodies = [sent for path, sent, _, _ in exchanges if path == "/generate"]
-    assert len(bodies) == 5
+    # A group of 3 samples is one request with SGLang's `n`, not three requests.
+    assert len(bodies) == 3
+    assert bodies[1]["sampling_params"]["n"] == 3
     for body in bodies:
         decoded = api.GenerateRequest.from_json_value(
             body
@@ -175,9 +177,11 @@ def test_server_generate_responses_decode_as_sglang_generate_responses(
     api: ModuleType, exchanges: list
 ) -> None:
     answers = [
-        (sent, received)
+        (sent, one)
         for path, sent, status, received in exchanges
         if path == "/generate" and status == 200
+        # A request with n > 1 is answered with a list: one response per sample.
+        for one in (received if isinstance(received, list) else [received])
     ]
     assert len(answers) == 5
     for sent, received in answers:

@@ -1,0 +1,180 @@
+"""A lean forward pass for Llama-shaped decoders, over the engine's slot KV cache.
+
+Hugging Face's module tree costs a fixed amount of Python per layer and per call
+(seven projections, module dispatch, rotary embeddings recomputed in every layer).
+For the small policies Sluice trains on a CPU that fixed cost is most of a decode
+step. This forward does the same arithmetic with fewer, larger calls:
+
+- q/k/v are one matmul and gate/up another: the fused weight tensors are allocated
+  here and the model's own ``q_proj.weight`` etc. are rebound to views into them, so
+  a weight update that copies into the model's parameters updates the fused
+  tensors too, and the Hugging Face forward (still used by anything else that holds
+  the model) computes with the same numbers;
+- the rotary cos/sin are computed once per forward, not once per layer;
+- RMSNorm is ``torch.nn.functional.rms_norm``.
+
+The result matches the Hugging Face forward up to float rounding (see
+tests/unit/test_inference.py). Only model types whose layer is exactly
+"RMSNorm → attention (optional q/k/v bias) → RMSNorm → SiLU-gated MLP" take it;
+anything else keeps the Hugging Face forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+
+
+@dataclass
+class _Layer:
+    ln_in: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln_post: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+
+
+def supports(model: Any) -> bool:
+    """True if ``model``'s decoder layers have the shape this forward computes."""
+    config = model.config
+    if str(getattr(config, "model_type", "")) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return False
+    layers = model.get_decoder().layers
+    expected = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+    for layer in layers:
+        children = {name for name, _ in layer.named_children()}
+        attention = {name for name, _ in layer.self_attn.named_children()}
+        if children != expected or attention != {"q_proj", "k_proj", "v_proj", "o_proj"}:
+            return False
+    return True
+
+
+def _fuse(modules: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+    """One tensor holding ``attr`` of every module, each module's own rebound to a view."""
+    parts = [getattr(m, attr) for m in modules]
+    if any(p is None for p in parts):
+        if not all(p is None for p in parts):
+            raise ValueError(f"some projections have a {attr} and some do not")
+        return None
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    offset = 0
+    for module, part in zip(modules, parts, strict=True):
+        rows = part.shape[0]
+        getattr(module, attr).data = fused[offset : offset + rows]
+        offset += rows
+    return fused
+
+
+class FastDecoder:
+    """``forward(input_ids, position_ids, attention_mask, cache) -> last hidden states``."""
+
+    def __init__(self, model: Any) -> None:
+        if not supports(model):
+            raise ValueError(f"model type {model.config.model_type!r} has no fast forward")
+        config = model.config
+        decoder = model.get_decoder()
+        self.embed = decoder.embed_tokens.weight
+        self.rotary = decoder.rotary_emb
+        self.final_norm = decoder.norm.weight
+        self.eps = float(config.rms_norm_eps)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        )
+        self.scaling = self.head_dim**-0.5
+        # cos/sin of every position, computed once by the model's own rotary module
+        # (whatever its scaling type); a forward gathers its rows.
+        positions = torch.arange(int(config.max_position_embeddings))[None]
+        probe = torch.zeros((), dtype=self.embed.dtype, device=self.embed.device)
+        with torch.no_grad():
+            cos, sin = self.rotary(probe, positions.to(self.embed.device))
+        self.cos, self.sin = cos[0], sin[0]
+        self.layers: list[_Layer] = []
+        with torch.no_grad():
+            for layer in decoder.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+                qkv_weight = _fuse(qkv, "weight")
+                gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+                assert qkv_weight is not None and gate_up_weight is not None
+                self.layers.append(
+                    _Layer(
+                        ln_in=layer.input_layernorm.weight,
+                        qkv_weight=qkv_weight,
+                        qkv_bias=_fuse(qkv, "bias"),
+                        o_weight=attn.o_proj.weight,
+                        o_bias=attn.o_proj.bias,
+                        ln_post=layer.post_attention_layernorm.weight,
+                        gate_up_weight=gate_up_weight,
+                        down_weight=mlp.down_proj.weight,
+                    )
+                )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
+        rows, width = input_ids.shape
+        hidden = F.embedding(input_ids, self.embed)
+        # [rows, width, 1, head_dim]: broadcast over the q and k heads together.
+        cos, sin = self.cos[position_ids][:, :, None], self.sin[position_ids][:, :, None]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        size = hidden.shape[-1]
+        gqa = heads != kv_heads
+        for index, layer in enumerate(self.layers):
+            normed = F.rms_norm(hidden, (size,), layer.ln_in, self.eps)
+            qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+            # One rotary pass over the q and k heads side by side.
+            qk = qkv[..., : q_size + kv_size].view(rows, width, heads + kv_heads, head_dim)
+            qk = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[..., q_size + kv_size :].view(rows, width, kv_heads, head_dim).transpose(1, 2)
+            keys, values = cache.update(k, v, index)
+            if width == 1:
+                attended = self._decode_attention(q, keys, values, attention_mask)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=attention_mask, scale=self.scaling, enable_gqa=gqa
+                )
+            attended = attended.transpose(1, 2).reshape(rows, width, q_size)
+            hidden = hidden + F.linear(attended, layer.o_weight, layer.o_bias)
+            normed = F.rms_norm(hidden, (size,), layer.ln_post, self.eps)
+            gate, up = F.linear(normed, layer.gate_up_weight).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+        return F.rms_norm(hidden, (size,), self.final_norm, self.eps)
+
+
+    def _decode_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One query per row: two batched matmuls beat SDPA's CPU kernel at this size.
+
+        Query heads that share a K/V head (GQA) are stacked in the matmul's row
+        dimension, so K/V are never repeated.
+        """
+        rows = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(rows, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scaling).add_(mask)
+        out = torch.matmul(scores.softmax(dim=-1), values)
+        return out.reshape(rows, self.num_heads, 1, self.head_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
