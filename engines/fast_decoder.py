@@ -146,7 +146,9 @@ class FastDecoder:
             v = qkv[..., q_size + kv_size :].view(rows, width, kv_heads, head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
             if width == 1:
-                attended = self._decode_attention(q, keys, values, attention_mask)
+                attended = self._bucketed_decode_attention(
+                    q, keys, values, attention_mask, getattr(cache, "decode_buckets", None)
+                )
             else:
                 attended = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=attention_mask, scale=self.scaling, enable_gqa=gqa
@@ -158,6 +160,79 @@ class FastDecoder:
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
         return F.rms_norm(hidden, (size,), self.final_norm, self.eps)
 
+
+    def prefill_packed(
+        self, tokens: list[list[int]], slots: list[int], cache: Any
+    ) -> torch.Tensor:
+        """Prefill whole sequences without padding; returns each one's last hidden state.
+
+        The projections and the MLP run over all sequences' tokens packed into one
+        matrix (no pad token costs a multiply); attention runs per sequence, causal,
+        over its own keys; each sequence's K/V is written into its slot at ``[0, n)``.
+        """
+        device = self.embed.device
+        lengths = [len(t) for t in tokens]
+        ids = torch.tensor([t for seq in tokens for t in seq], device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        total = ids.shape[0]
+        hidden = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        size = hidden.shape[-1]
+        gqa = heads != kv_heads
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        for index, layer in enumerate(self.layers):
+            normed = F.rms_norm(hidden, (size,), layer.ln_in, self.eps)
+            qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
+            qk = qkv[:, : q_size + kv_size].view(total, heads + kv_heads, head_dim)
+            qk = (qk * cos + _rotate_half(qk) * sin).transpose(0, 1)  # [heads+kv, N, d]
+            v = qkv[:, q_size + kv_size :].view(total, kv_heads, head_dim).transpose(0, 1)
+            key_buffer, value_buffer = cache.keys[index], cache.values[index]
+            attended = torch.empty((heads, total, head_dim), dtype=hidden.dtype, device=device)
+            for r, slot in enumerate(slots):
+                lo, hi = bounds[r], bounds[r + 1]
+                k, v_r = qk[heads:, lo:hi], v[:, lo:hi]
+                key_buffer[slot, :, : hi - lo] = k
+                value_buffer[slot, :, : hi - lo] = v_r
+                attended[:, lo:hi] = F.scaled_dot_product_attention(
+                    qk[None, :heads, lo:hi],
+                    k[None],
+                    v_r[None],
+                    is_causal=True,
+                    scale=self.scaling,
+                    enable_gqa=gqa,
+                )[0]
+            attended = attended.transpose(0, 1).reshape(total, q_size)
+            hidden = hidden + F.linear(attended, layer.o_weight, layer.o_bias)
+            normed = F.rms_norm(hidden, (size,), layer.ln_post, self.eps)
+            gate, up = F.linear(normed, layer.gate_up_weight).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=device)
+        return F.rms_norm(hidden[last], (size,), self.final_norm, self.eps)
+
+    def _bucketed_decode_attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        buckets: list[tuple[int, int, int]] | None,
+    ) -> torch.Tensor:
+        """Decode attention per range of rows, each over its own longest row's keys."""
+        if not buckets or len(buckets) == 1:
+            return self._decode_attention(q, keys, values, mask)
+        out = torch.empty_like(q)
+        for start, end, width in buckets:
+            out[start:end] = self._decode_attention(
+                q[start:end],
+                keys[start:end, :, :width],
+                values[start:end, :, :width],
+                mask[start:end, ..., :width],
+            )
+        return out
 
     def _decode_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor

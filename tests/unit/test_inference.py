@@ -18,6 +18,7 @@ from engines.inference import (
     SamplingParams,
     WeightLoadError,
     counter_uniforms,
+    decode_buckets,
 )
 
 VOCAB = 40
@@ -130,6 +131,37 @@ def test_batched_generation_matches_one_at_a_time(
         alone = single_engine.generate([request])[0]
         assert got.output_token_ids == alone.output_token_ids
         assert got.finish_reason == alone.finish_reason
+        assert got.behaviour_logprobs == pytest.approx(alone.behaviour_logprobs, abs=1e-5)
+
+
+def test_decode_buckets_follow_the_falling_lengths_of_resident_rows() -> None:
+    assert decode_buckets([30] * 20) == [(0, 20, 30)]
+    assert decode_buckets([200] * 4 + [100] * 10 + [20] * 10) == [(0, 14, 200), (14, 24, 20)]
+    # Never a range under eight rows, never more than four ranges.
+    assert decode_buckets([200] * 3 + [10] * 20) == [(0, 8, 200), (8, 23, 10)]
+    assert decode_buckets([200] * 3 + [10] * 7) == [(0, 10, 200)]
+    lengths = [2**k for k in range(12, 0, -1) for _ in range(8)]
+    assert len(decode_buckets(lengths)) == 4
+
+
+def test_long_tailed_batch_attends_in_ranges_and_matches_one_at_a_time(
+    model_dirs: dict[str, Path],
+) -> None:
+    # Admitted longest prompt first: the resident lengths fall from slot to slot, so
+    # decode attention runs in several ranges; finishing rows shift the others up.
+    requests = [
+        GenerationRequest(
+            [3 + (i + j) % 30 for j in range(70 - 3 * i)],
+            SamplingParams(max_new_tokens=4 + i % 7, seed=i, ignore_eos=True),
+        )
+        for i in range(20)
+    ]
+    engine = _engine(model_dirs["v0"], max_batch_size=20, max_seq_len=96)
+    batched = engine.generate(requests)
+    single = _engine(model_dirs["v0"], max_batch_size=1, max_seq_len=96)
+    for request, got in zip(requests, batched, strict=True):
+        alone = single.generate([request])[0]
+        assert got.output_token_ids == alone.output_token_ids
         assert got.behaviour_logprobs == pytest.approx(alone.behaviour_logprobs, abs=1e-5)
 
 
