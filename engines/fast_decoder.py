@@ -160,10 +160,7 @@ class FastDecoder:
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
         return F.rms_norm(hidden, (size,), self.final_norm, self.eps)
 
-
-    def prefill_packed(
-        self, tokens: list[list[int]], slots: list[int], cache: Any
-    ) -> torch.Tensor:
+    def prefill_packed(self, tokens: list[list[int]], slots: list[int], cache: Any) -> torch.Tensor:
         """Prefill whole sequences without padding; returns each one's last hidden state.
 
         The projections and the MLP run over all sequences' tokens packed into one

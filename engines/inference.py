@@ -1192,7 +1192,9 @@ class InferenceEngine:
         self._running.extend(seqs)
         self._sample_and_advance(seqs, logits)
 
-    def _padded_prefill(self, seqs: list[_Sequence], lengths: list[int], start: int) -> torch.Tensor:
+    def _padded_prefill(
+        self, seqs: list[_Sequence], lengths: list[int], start: int
+    ) -> torch.Tensor:
         """Prefill through the Hugging Face decoder: one right-padded batch, explicit mask."""
         width, rows = max(lengths), len(seqs)
         input_ids = torch.zeros((rows, width), dtype=torch.long)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -733,6 +735,19 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
+    """SIGTERM this process (a graceful shutdown) once `parent_pid` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m engines.server",
@@ -741,7 +756,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda[:i], or auto (cuda if present)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
         "--max-batch-size", type=int, default=64, help="KV slots (sequences decoded together)"
@@ -757,6 +772,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="shut down when the process that started this one is gone (a role killed "
+        "with SIGKILL cannot stop its server itself)",
+    )
+    parser.add_argument(
         "--weight-noise-std",
         type=float,
         default=0.0,
@@ -764,11 +785,18 @@ def main(argv: list[str] | None = None) -> None:
         "(--seed, weight version): injects train-inference mismatch on purpose (0 = off)",
     )
     args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        exit_with_parent(os.getppid())
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     serve(
         args.model,
         args.host,
         args.port,
-        device=args.device,
+        device=device,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,

@@ -44,6 +44,7 @@ from infra.tracking import (
     get_metric_history,
     log_artifact_file,
     log_config,
+    log_figure_png,
     start_or_resume_run,
 )
 
@@ -250,9 +251,11 @@ def publish_report(
     report: str,
     payload: Any,
     report_dir: str | None = None,
+    figures: dict[str, Any] | None = None,
 ) -> str:
     """Files, a Prefect markdown artifact, and an MLflow run `bench-{name}-{tag}` holding both
-    files (under `bench/`) and the resolved base config. Returns the MLflow run id."""
+    files (under `bench/`), the resolved base config and any `figures` (artifact path ->
+    matplotlib figure or PNG bytes). Returns the MLflow run id."""
     md, js = write_report_files(config, name, tag, report, payload, report_dir)
     create_markdown_artifact(report, key=f"bench-{name}", description=f"sluice bench {name}")
     uri = config.tracking.uri
@@ -266,6 +269,8 @@ def publish_report(
     log_config(uri, mlflow_run, config)
     for path in (md, js):
         log_artifact_file(uri, mlflow_run, path, artifact_path="bench")
+    for artifact_file, figure in (figures or {}).items():
+        log_figure_png(uri, mlflow_run, figure, artifact_file)
     end_run(uri, mlflow_run)
     return mlflow_run
 

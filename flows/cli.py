@@ -3,7 +3,8 @@
     sluice train [CONFIG] [--set key=value ...] [--resume RUN]
     sluice eval  [CONFIG] [--set ...] [--run RUN] [--version N]
     sluice serve [CONFIG] ...            # Prefect deployments
-    sluice bench NAME [--set ...]         # async-vs-sync | staleness | mismatch | determinism
+    sluice bench NAME [--set ...]         # time-to-target | async-vs-sync | staleness | ...
+    sluice bench time-to-target [--variant sync|'async η=4' ...] [--seeds N] [--horizon S] [--delta D]
     sluice bench staleness [--eta E ...] [--objective decoupled|naive ...] [--seeds N]
     sluice bench mismatch  [--mode none|token_tis|... ...] [--seeds N]
 
@@ -21,7 +22,7 @@ from typing import get_args
 
 from infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
 
-BENCHMARKS = ["async-vs-sync", "staleness", "mismatch", "determinism"]
+BENCHMARKS = ["time-to-target", "async-vs-sync", "staleness", "mismatch", "determinism"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionConfig.model_fields["mode"].annotation)
 
 QUIET_ENV = {
@@ -99,8 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="LABEL",
-        help="async-vs-sync: run only this variant, e.g. 'sync' or 'async η=4 interrupt' "
-        "(repeatable)",
+        help="async-vs-sync: run only this variant, e.g. 'sync' or 'async η=4 interrupt'; "
+        "time-to-target: only this contender, 'sync', 'async η=1' or 'async η=4' (repeatable)",
+    )
+    bench.add_argument(
+        "--horizon",
+        type=float,
+        default=None,
+        metavar="S",
+        help="time-to-target: wall-clock seconds each run gets, start-up included (default 300)",
+    )
+    bench.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        metavar="D",
+        help="time-to-target: the target is the start's held-out reward + D (default 0.2)",
     )
     bench.add_argument(
         "--eta",
@@ -133,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="staleness, mismatch: seeds per cell, seed .. seed+N-1 (default 3; "
+        help="time-to-target, staleness, mismatch: seeds per cell, seed .. seed+N-1 (default 3; "
         "--set seed=S shifts them)",
     )
     _add_config_args(bench)
@@ -145,11 +160,13 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
     from flows.study_stats import VARIED_KEYS
 
     allowed = {
-        ("variants", "--variant"): {"async-vs-sync"},
+        ("variants", "--variant"): {"async-vs-sync", "time-to-target"},
         ("etas", "--eta"): {"staleness"},
         ("objectives", "--objective"): {"staleness"},
         ("modes", "--mode"): {"mismatch"},
-        ("seeds", "--seeds"): {"staleness", "mismatch"},
+        ("seeds", "--seeds"): {"staleness", "mismatch", "time-to-target"},
+        ("horizon", "--horizon"): {"time-to-target"},
+        ("delta", "--delta"): {"time-to-target"},
     }
     for (option, flag), benches in allowed.items():
         if getattr(args, option) is not None and args.name not in benches:
@@ -158,6 +175,18 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
             )
     if args.seeds is not None and args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.horizon is not None and not args.horizon > 0:
+        raise ConfigError(f"--horizon must be > 0 seconds, got {args.horizon}")
+    if args.delta is not None and not args.delta > 0:
+        raise ConfigError(f"--delta must be > 0, got {args.delta}")
+    if args.name == "time-to-target" and args.variants:
+        from flows.study_stats import TIME_TO_TARGET_CONTENDERS
+
+        unknown = [v for v in args.variants if v not in TIME_TO_TARGET_CONTENDERS]
+        if unknown:
+            raise ConfigError(
+                f"unknown contender(s) {unknown}; known: {list(TIME_TO_TARGET_CONTENDERS)}"
+            )
     if any(e < 0 for e in args.etas or []):
         raise ConfigError(f"--eta must be >= 0, got {args.etas}")
     explicit = {o.partition("=")[0].strip() for o in args.overrides}
@@ -265,6 +294,17 @@ def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
             objectives=args.objectives,
             modes=args.modes,
             seeds=args.seeds or 3,
+        )
+    if args.name == "time-to-target":
+        from flows.time_to_target import run_from_cli as ttt_from_cli
+
+        return ttt_from_cli(
+            config,
+            args.overrides,
+            contenders=args.variants,
+            seeds=args.seeds or 3,
+            horizon_s=args.horizon or 300.0,
+            delta=args.delta or 0.2,
         )
     from flows.bench import run_from_cli as bench_from_cli
 

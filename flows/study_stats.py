@@ -33,9 +33,20 @@ OBJECTIVES: dict[str, bool] = {"decoupled": True, "naive": False}
 STALENESS_ETAS: tuple[int, ...] = (0, 1, 2, 4, 8)
 MISMATCH_MODES: tuple[str, ...] = ("none", "token_tis", "sequence_mis", "geometric_rs")
 
+TIME_TO_TARGET_CONTENDERS: dict[str, tuple[str, int]] = {
+    "sync": ("sync", 0),
+    "async η=1": ("async", 1),
+    "async η=4": ("async", 4),
+}
+"""`sluice bench time-to-target` contenders: label -> (mode, max staleness η)."""
+
 # The config keys each study sets per cell; a --set of one of them would be overwritten
 # in every cell, so the CLI refuses it and names the study option to use instead.
 VARIED_KEYS: dict[str, dict[str, str]] = {
+    "time-to-target": {
+        "staleness.max_staleness": "--variant",
+        "trainer.time_budget_s": "--horizon",
+    },
     "staleness": {"staleness.max_staleness": "--eta", "trainer.loss.decoupled": "--objective"},
     "mismatch": {"trainer.correction.mode": "--mode"},
 }

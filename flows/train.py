@@ -27,6 +27,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
 from tasks.common import ROLES, RunControl, read_statuses, run_paths, run_registry
+from tasks.inference_server import write_start
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 from tasks.supervise import run_role
@@ -178,6 +179,9 @@ def watch_progress(
         pace.observe(train)
         step = train.get("step", 0)
         elapsed, eta = time.monotonic() - started, pace.eta_s(total)
+        if config.trainer.time_budget_s is not None:  # the budget ends the run first
+            left = max(0.0, config.trainer.time_budget_s - elapsed)
+            eta = left if eta is None else min(eta, left)
         update_progress_artifact(
             artifact_id,
             progress=100.0 * min(step, total) / total,
@@ -262,6 +266,9 @@ def train(
     )
 
     prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
+    start = run_registry(config, run_id).latest()
+    if start is not None:  # lets the rollout role start its server before its own imports
+        write_start(config, run_id, start.policy_version, start.checkpoint_uri)
 
     log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
     roles = [r for r in ROLES if r != "evaluate" or config.trainer.eval_during_run]

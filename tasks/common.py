@@ -14,16 +14,19 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from infra.config import RunConfig
-from infra.registry import CheckpointRegistry
+
+if TYPE_CHECKING:
+    from infra.registry import CheckpointRegistry
 
 ROLES = ("rollout", "reward", "train", "evaluate")
 ROLLOUTS, SCORED = "rollouts", "scored"
@@ -81,6 +84,8 @@ def registered_model_name(config: RunConfig, run_id: str) -> str:
 
 def run_registry(config: RunConfig, run_id: str) -> CheckpointRegistry:
     """The checkpoint registry of one run (its own registered model, the run's alias)."""
+    from infra.registry import CheckpointRegistry  # MLflow: imported by the roles that need it
+
     return CheckpointRegistry(
         config.tracking.uri,
         registered_model_name(config, run_id),
@@ -203,6 +208,35 @@ def read_statuses(config: RunConfig, paths: RunPaths) -> dict[str, dict[str, Any
     return out
 
 
+class Background:
+    """One worker thread for a role's bookkeeping (checkpoint upload, registry commit,
+    metric logging), so the next step's compute overlaps it. Jobs run in submission
+    order; `wait()` blocks until all are done and re-raises the first failure, so an
+    error surfaces in the role's own thread one step late, never silently."""
+
+    def __init__(self, name: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._futures: list[Any] = []
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        future = self._executor.submit(fn, *args, **kwargs)
+        self._futures.append(future)
+        return future
+
+    def wait(self) -> list[Any]:
+        """Results of every job submitted since the last wait, in order."""
+        futures, self._futures = self._futures, []
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+
 def role_threads(config: RunConfig, role: str) -> int:
     """torch threads for one role process: the busy roles share the cores, never oversubscribe.
 
@@ -216,12 +250,15 @@ def role_threads(config: RunConfig, role: str) -> int:
 
 
 def limit_threads(threads: int) -> None:
-    """Cap torch (and any OpenMP/BLAS pool a child process starts) at `threads`."""
+    """Cap torch (and any OpenMP/BLAS pool a child process starts) at `threads`.
+
+    torch reads these variables when it is first imported, so a role that has not
+    imported torch yet (the rollout and reward roles may never need to) pays nothing.
+    """
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def configure_logging(role: str) -> None:

@@ -20,10 +20,6 @@ import asyncio
 import bisect
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -42,70 +38,13 @@ from tasks.common import (
     StatusReporter,
     group_index_of,
     group_key,
-    role_threads,
     run_paths,
     run_registry,
 )
+from tasks.inference_server import EmbeddedServer
 from tasks.problem import PromptSource, load_tokenizer
 
 log = logging.getLogger("sluice.rollout")
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class EmbeddedServer:
-    """The built-in SGLang-compatible server, as a child process of the rollout role."""
-
-    def __init__(self, config: RunConfig, model_dir: Path, weight_version: int, log_dir: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_dir / "inference-server.log", "ab")  # noqa: SIM115 - lives with the process
-        cmd = [
-            sys.executable,
-            "-m",
-            "engines.server",
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--weight-version",
-            str(weight_version),
-            "--max-batch-size",
-            str(config.rollout.max_batch_size),
-            "--seed",
-            str(config.seed),
-            "--device",
-            resolve_device(config.device),
-            "--num-threads",
-            str(role_threads(config, "rollout")),
-            "--weight-noise-std",
-            str(config.rollout.weight_noise_std),
-        ]
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self._log.close()
 
 
 @dataclass
@@ -278,6 +217,12 @@ class Rollout:
         self.current = self.wait_for_first_version()
         local = self.fetch(self.current)
         self.prompts.set_tokenizer(load_tokenizer(local))
+        early = self.server
+        if early is not None and early.weight_version != self.current.policy_version:
+            # Started from the flow's start document; the registry moved on since.
+            log.info("early server holds version %d; restarting", early.weight_version)
+            early.stop()
+            self.server = None
         urls = list(cfg.rollout.server_urls)
         if urls and cfg.rollout.weight_noise_std:
             # An external server loads clean weights; running on would measure no
@@ -286,7 +231,9 @@ class Rollout:
                 "rollout.weight_noise_std is applied by the embedded inference server only; "
                 "unset rollout.server_urls or set rollout.weight_noise_std=0"
             )
-        if not urls:
+        if not urls and self.server is not None:
+            urls = [self.server.url]
+        elif not urls:
             self.server = EmbeddedServer(
                 cfg,
                 local,
@@ -388,8 +335,17 @@ class Rollout:
         )
 
 
-def rollout_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
-    rollout = Rollout(config, run_id)
+def rollout_loop(
+    config: RunConfig, run_id: str, mlflow_run_id: str, server: EmbeddedServer | None = None
+) -> None:
+    """The rollout role; `server` is an embedded server already starting (`start_early`)."""
+    try:
+        rollout = Rollout(config, run_id)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+    rollout.server = server
     rollout.control.install_signal_handlers()
     log.info(
         "rollout %s starting (η=%d, interruptible=%s)",

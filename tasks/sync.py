@@ -22,7 +22,14 @@ from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, group_key, run_paths, run_registry
+from tasks.common import (
+    Background,
+    RunControl,
+    StatusReporter,
+    group_key,
+    run_paths,
+    run_registry,
+)
 from tasks.problem import PromptSource, load_tokenizer
 from tasks.train import build_trainer, samples_from_table, staleness_stats
 
@@ -56,6 +63,12 @@ def sync_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     trainer = build_trainer(config, model_dir)
     cfg, B, G = config, config.trainer.prompts_per_batch, config.rollout.group_size
     version = latest.policy_version
+    background = Background("sync-commit")
+
+    def commit(local: Path, version: int, tags: dict[str, str]) -> None:
+        uri = save_checkpoint(local, paths.checkpoint(version), storage_options=cfg.storage.options)
+        registry.commit(version, uri, run_id=mlflow_run_id, trainer_step=version, tags=tags)
+
     started = time.monotonic()
     generate_s = trained_tokens = 0.0
     while version < cfg.trainer.total_steps and not control.should_stop():
@@ -108,16 +121,18 @@ def sync_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
         out_dir = local_root / f"v{version:06d}"
         trainer.save(out_dir, extra={"policy_version": version})
         engine.update_weights_from_disk(out_dir, version)
+        # The previous step's upload and commit had this step's generation and training
+        # to run in; only now may its local copy go.
+        background.wait()
+        for old in local_root.glob("v*"):
+            if old != out_dir:
+                shutil.rmtree(old, ignore_errors=True)
         if version % cfg.trainer.publish_every == 0 or version == cfg.trainer.total_steps:
-            uri = save_checkpoint(
-                out_dir, paths.checkpoint(version), storage_options=cfg.storage.options
-            )
-            registry.commit(
+            background.submit(
+                commit,
+                out_dir,
                 version,
-                uri,
-                run_id=mlflow_run_id,
-                trainer_step=version,
-                tags={"reward_mean": f"{stats['reward/mean']:.4f}", "mode": "sync"},
+                {"reward_mean": f"{stats['reward/mean']:.4f}", "mode": "sync"},
             )
         trained_tokens += metrics.get("train/trained_tokens", 0.0)
         elapsed = time.monotonic() - started
@@ -132,7 +147,7 @@ def sync_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
                 "rollout/longest_over_mean_length": longest / max(1.0, mean),
             }
         )
-        log_metrics(cfg.tracking.uri, mlflow_run_id, metrics, step=version)
+        background.submit(log_metrics, cfg.tracking.uri, mlflow_run_id, metrics, step=version)
         status.update(
             state="running",
             step=version,
@@ -141,9 +156,7 @@ def sync_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
             trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
             wall_time_s=elapsed,
         )
-        for old in local_root.glob("v*"):
-            if old != out_dir:
-                shutil.rmtree(old, ignore_errors=True)
+    background.close()
     engine.shutdown()
     if version >= cfg.trainer.total_steps:
         control.mark_done(f"trained {cfg.trainer.total_steps} steps (sync)")

@@ -45,6 +45,7 @@ from infra.tracking import log_metrics
 from tasks.common import (
     ROLLOUTS,
     SCORED,
+    Background,
     RunControl,
     StatusReporter,
     group_index_of,
@@ -291,6 +292,8 @@ class TrainRole:
         )
         self.buffer = GroupBuffer(config.trainer.prompts_per_batch)
         self._rollouts: StreamReader | None = None
+        self.background = Background("trainer-commit")
+        self._pending: tuple[int, list[ShardRef], Path] | None = None
 
     def reconcile_ledger(self, checkpoint_uri: str) -> None:
         """Ack what the committed version consumed, in case the last run died before acking."""
@@ -362,24 +365,45 @@ class TrainRole:
 
     def publish(
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
-    ) -> str:
+    ) -> None:
+        """Save version `version` now; upload and commit it while the next step trains.
+
+        The weights are snapshotted to local disk synchronously (the next step changes
+        them). Upload and registry commit run on the background thread; the shards the
+        version consumed are acked by `finish_publish`, after the commit: a crash in
+        between retrains them from the previous version (never committed) or acks them
+        on restart (`reconcile_ledger`), as before.
+        """
+        self.finish_publish()
         local = self.local_root / f"v{version:06d}"
         if local.exists():
             shutil.rmtree(local)
         trainer.save(local, extra={"policy_version": version})
         (local / CONSUMED_FILE).write_text(json.dumps([r.name for r in consumed]))
+        self.background.submit(self._commit, local, version, tags)
+        self._pending = (version, consumed, local)
+
+    def _commit(self, local: Path, version: int, tags: dict[str, Any]) -> str:
         uri = save_checkpoint(
             local, self.paths.checkpoint(version), storage_options=self.config.storage.options
         )
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
         )
+        return uri
+
+    def finish_publish(self) -> None:
+        """Wait for the pending commit (and metric logging), then ack what it consumed."""
+        self.background.wait()
+        if self._pending is None:
+            return
+        version, consumed, local = self._pending
+        self._pending = None
         self.reader.ack(consumed, meta={"policy_version": version})
         # Keep the newest local copy only: the durable one is on storage.
         for old in self.local_root.glob("v*"):
             if old != local:
                 shutil.rmtree(old, ignore_errors=True)
-        return uri
 
     def run(self) -> None:
         cfg = self.config
@@ -438,17 +462,18 @@ class TrainRole:
                     "staleness_max": f"{stats['staleness/max']:.0f}",
                     "reward_mean": f"{stats['reward/mean']:.4f}",
                 }
-                uri = self.publish(trainer, version, unpublished, tags)
+                self.publish(trainer, version, unpublished, tags)
                 unpublished = []
                 log.info(
-                    "step %d: reward %.3f, staleness %.2f, loss %.4f -> %s",
+                    "step %d: reward %.3f, staleness %.2f, loss %.4f",
                     version,
                     stats["reward/mean"],
                     stats["staleness/mean"],
                     metrics.get("loss/policy_loss", float("nan")),
-                    uri,
                 )
-            log_metrics(cfg.tracking.uri, self.mlflow_run_id, metrics, step=version)
+            self.background.submit(
+                log_metrics, cfg.tracking.uri, self.mlflow_run_id, metrics, step=version
+            )
             self.status.update(
                 state="running",
                 step=version,
@@ -458,6 +483,8 @@ class TrainRole:
                 idle_ratio=metrics["train/idle_ratio"],
                 wall_time_s=elapsed,
             )
+        self.finish_publish()
+        self.background.close()
         if version >= total:
             self.control.mark_done(f"trained {total} steps")
         self.status.update(

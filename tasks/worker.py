@@ -26,7 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     config = RunConfig.model_validate(json.loads(Path(args.config).read_text()))
     limit_threads(role_threads(config, args.role))
     if args.role == "rollout":
-        from tasks.rollout import rollout_loop as loop
+        # The server's start-up (its own imports and the model) runs while this process
+        # imports the rollout loop's dependencies.
+        from tasks.inference_server import start_early
+
+        server = start_early(config, args.run_id)
+        from tasks.rollout import rollout_loop
+
+        rollout_loop(config, args.run_id, args.mlflow_run_id, server=server)
+        return 0
     elif args.role == "reward":
         from tasks.reward import reward_loop as loop
     elif args.role == "train":

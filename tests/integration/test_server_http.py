@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -426,3 +430,24 @@ def test_text_prompts_use_the_model_directorys_tokenizer(served: Served, tmp_pat
         server.stop()
     assert answer["meta_info"]["prompt_tokens"] == len("hi there")
     assert answer["text"] == tokenizer.decode(answer["output_ids"], skip_special_tokens=True)
+
+
+def test_server_watchdog_stops_the_server_when_its_parent_is_gone() -> None:
+    """A rollout role killed with SIGKILL cannot stop its server: the server stops itself."""
+    script = (
+        "import sys, time\n"
+        "from engines.server import exit_with_parent\n"
+        "exit_with_parent(int(sys.argv[1]), poll_s=0.05)\n"
+        "time.sleep(60)\n"
+    )
+    # Watching its real parent (this test), the process keeps running...
+    alive = subprocess.Popen([sys.executable, "-c", script, str(os.getpid())])
+    # ...watching a process that is not its parent, it stops itself with SIGTERM.
+    orphan = subprocess.Popen([sys.executable, "-c", script, "1"])
+    try:
+        assert orphan.wait(timeout=30) == -signal.SIGTERM
+        assert alive.poll() is None
+    finally:
+        for proc in (alive, orphan):
+            proc.kill()
+            proc.wait()

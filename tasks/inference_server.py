@@ -1,0 +1,119 @@
+"""The built-in inference server as a child process of the rollout role.
+
+Kept apart from tasks/rollout.py, whose imports (MLflow, Arrow, a tokenizer) take
+seconds: the rollout role starts the server first (`start_early`) so the server's own
+start-up overlaps everything else the roles do before the first prompt is generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from infra.config import RunConfig
+from tasks.common import read_json, role_threads, run_paths
+
+log = logging.getLogger("sluice.rollout")
+
+START_FILE = "start.json"
+"""Control-dir document the flow writes once the run's starting version is committed."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedServer:
+    """The built-in SGLang-compatible server, as a child process of the rollout role."""
+
+    def __init__(self, config: RunConfig, model_dir: Path, weight_version: int, log_dir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_dir = Path(model_dir)
+        self.weight_version = weight_version
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_dir / "inference-server.log", "ab")  # noqa: SIM115 - lives with the process
+        cmd = [
+            sys.executable,
+            "-m",
+            "engines.server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--weight-version",
+            str(weight_version),
+            "--max-batch-size",
+            str(config.rollout.max_batch_size),
+            "--seed",
+            str(config.seed),
+            "--device",
+            config.device,
+            "--num-threads",
+            str(role_threads(config, "rollout")),
+            "--weight-noise-std",
+            str(config.rollout.weight_noise_std),
+            "--exit-with-parent",
+        ]
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self._log.close()
+
+
+def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str) -> None:
+    """Tell the rollout role which committed version the run starts from."""
+    from tasks.common import write_json
+
+    write_json(
+        config,
+        f"{run_paths(config, run_id).control}/{START_FILE}",
+        {"policy_version": policy_version, "checkpoint_uri": checkpoint_uri},
+    )
+
+
+def local_checkpoint_dir(uri: str) -> Path | None:
+    """The directory of a checkpoint on the local filesystem, None for remote storage."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://") :])
+    if "://" not in uri:
+        return Path(uri)
+    return None
+
+
+def start_early(config: RunConfig, run_id: str) -> EmbeddedServer | None:
+    """Start the embedded server on the run's starting version before anything else loads.
+
+    Only for the embedded server and a checkpoint already on local disk; otherwise
+    (external servers, remote storage, no start document) the rollout role starts it
+    the usual way once it has fetched the weights. The role checks the version
+    against the registry and updates the server if they differ.
+    """
+    if config.rollout.server_urls:
+        return None
+    start: dict[str, Any] | None = read_json(
+        config, f"{run_paths(config, run_id).control}/{START_FILE}"
+    )
+    if not start:
+        return None
+    model_dir = local_checkpoint_dir(str(start.get("checkpoint_uri", "")))
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return None
+    log_dir = Path(config.workdir) / "runs" / run_id / "logs"
+    log.info("starting the inference server on policy version %s", start["policy_version"])
+    return EmbeddedServer(config, model_dir, int(start["policy_version"]), log_dir)

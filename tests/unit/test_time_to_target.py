@@ -1,0 +1,86 @@
+"""Time to target: which version counts as reaching it, and what the table says."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.time_to_target import Trial, newest_at, reward_at, summary_table, time_to_target
+
+# Version k committed at 10 + 2k seconds (version 0 after 10 s of start-up).
+TIMES = [(k, 10.0 + 2 * k) for k in range(60)]
+
+
+class Scorer:
+    """Held-out reward rising by 0.01 per version from 0.1; counts what was scored."""
+
+    def __init__(self, slope: float = 0.01) -> None:
+        self.slope = slope
+        self.scored: list[int] = []
+
+    def __call__(self, version: int) -> float:
+        self.scored.append(version)
+        return 0.1 + self.slope * version
+
+
+def test_newest_at_is_the_last_version_committed_by_then() -> None:
+    assert newest_at(TIMES, 5.0) is None
+    assert newest_at(TIMES, 10.0) == 0
+    assert newest_at(TIMES, 15.9) == 2
+    assert newest_at(TIMES, 1e9) == 59
+
+
+def test_time_to_target_bisects_between_grid_points_to_the_first_version() -> None:
+    scorer = Scorer()
+    # Target 0.3 is first reached by version 20, committed at 50 s; the grid sees
+    # version 15 (40 s, below) then version 25 (60 s, above).
+    got = time_to_target(TIMES, scorer, 0.3, grid=[0, 20, 40, 60, 80], refine_evals=4)
+    assert got == pytest.approx(50.0)
+    assert scorer.scored[:3] == [5, 15, 25]
+    assert len(scorer.scored) <= 3 + 4
+
+
+def test_time_to_target_with_no_refinement_is_the_grid_version() -> None:
+    got = time_to_target(TIMES, Scorer(), 0.3, grid=[0, 20, 40, 60, 80], refine_evals=0)
+    assert got == pytest.approx(60.0)
+
+
+def test_time_to_target_is_none_when_never_reached_and_v0_counts_when_already_there() -> None:
+    assert time_to_target(TIMES, Scorer(), 5.0, grid=[0, 60, 200]) is None
+    assert time_to_target(TIMES, Scorer(), 0.05, grid=[0, 12, 60]) == pytest.approx(10.0)
+
+
+def test_reward_at_scores_the_version_newest_at_that_time() -> None:
+    assert reward_at(TIMES, Scorer(), 30.0) == pytest.approx(0.2)
+    assert reward_at(TIMES, Scorer(), 1.0) is None
+
+
+def _trial(label: str, seed: int, seconds: float | None) -> Trial:
+    return Trial(
+        label=label,
+        seed=seed,
+        run_id=f"{label}-{seed}",
+        steps=100,
+        v0_at_s=8.0,
+        time_to_target_s=seconds,
+        reward_at={"60": 0.3, "120": 0.4},
+        trainer_idle_ratio=0.5,
+        rollout_idle_ratio=None,
+    )
+
+
+def test_summary_table_divides_sync_time_by_each_contenders_time() -> None:
+    trials = [
+        _trial("sync", 0, 120.0),
+        _trial("sync", 1, 140.0),
+        _trial("async η=4", 0, 60.0),
+        _trial("async η=4", 1, 70.0),
+        _trial("async η=1", 0, 100.0),
+        _trial("async η=1", 1, None),
+    ]
+    table = summary_table(trials, target=0.35, horizon_s=300, fixed_times=[60, 120, 300])
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "| 2.00 |" in rows["async η=4"]  # 130 / 65
+    assert "| 1.00 |" in rows["sync"]
+    # A contender that missed the target on a seed gets no ratio: its mean would flatter it.
+    assert "1/2" in rows["async η=1"] and "> 300 for 1" in rows["async η=1"]
+    assert "| - |" in rows["async η=1"]
