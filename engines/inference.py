@@ -359,11 +359,10 @@ class _SlotKVCache:
     @torch.inference_mode()
     def shift(self, source: int, target: int, rows: int, length: int) -> None:
         """Move slots ``[source, source + rows)`` to ``[target, ...)`` over positions ``[0, length)``."""
-        for keys, values in zip(self.keys, self.values, strict=True):
-            block = keys[source : source + rows, :, :length]
-            keys[target : target + rows, :, :length] = block.clone() if rows > 1 else block
-            block = values[source : source + rows, :, :length]
-            values[target : target + rows, :, :length] = block.clone() if rows > 1 else block
+        overlap = source - target < rows  # then the block must be read before it is written
+        for tensor in (*self.keys, *self.values):
+            block = tensor[source : source + rows, :, :length]
+            tensor[target : target + rows, :, :length] = block.clone() if overlap else block
 
 
 @dataclass

@@ -301,6 +301,11 @@ def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
         if key in result:
             print(f"  {key.replace('_', ' ')}: {result[key]:.3f}")
     print(f"  checkpoint:  {result.get('checkpoint_uri', '-')}")
+    if "core_split" in result:
+        from tasks.report import core_split_lines
+
+        for line in core_split_lines(result["core_split"]):
+            print(f"  {line[2:]}")
     print(
         f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open {result.get('mlflow_run_url', '')})"
     )

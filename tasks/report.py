@@ -11,6 +11,7 @@ evaluated policy version.
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from infra.tracking import (
     log_figure_png,
     run_ui_url,
 )
-from tasks.common import registered_model_name, run_registry
+from tasks.common import registered_model_name, role_threads, run_registry
 
 REWARD_CURVE_ARTIFACT = "plots/reward_curve.png"
 
@@ -134,6 +135,95 @@ def log_reward_curves(config: RunConfig, run_id: str, mlflow_run_id: str) -> str
     return REWARD_CURVE_ARTIFACT
 
 
+def _mean_after_warmup(history: list[tuple[int, float]], skip: int = 5) -> float | None:
+    values = [v for _, v in history[skip:]] or [v for _, v in history]
+    return sum(values) / len(values) if values else None
+
+
+def core_split(config: RunConfig, uri: str, mlflow_run_id: str, sync: bool) -> dict[str, Any]:
+    """Threads each role had and what they did with them, from the run's own metrics.
+
+    `trainer_idle` is the share of the trainer's wall time spent waiting for a batch
+    (sync: the generation half of every step); `rollout_idle` the share of the rollout
+    role's time with nothing admitted (held by the staleness gate). Per step, the
+    trainer's compute (`train/step_time_s`) against the wall time per step says how
+    the cores were shared; `suggested` splits this machine's cores in proportion to
+    the busy time each side measured.
+    """
+    cores = os.cpu_count() or 1
+    history = {
+        key: get_metric_history(uri, mlflow_run_id, key)
+        for key in (
+            "train/idle_ratio",
+            "rollout/idle_ratio",
+            "train/step_time_s",
+            "train/wall_time_s",
+        )
+    }
+    last = {k: (h[-1][1] if h else None) for k, h in history.items()}
+    wall = history["train/wall_time_s"]
+    out: dict[str, Any] = {
+        "cores": cores,
+        "threads": (
+            {"sync": role_threads(config, "sync")}
+            if sync
+            else {
+                "rollout": role_threads(config, "rollout"),
+                "train": role_threads(config, "train"),
+            }
+        ),
+        "trainer_idle": last["train/idle_ratio"],
+        "rollout_idle": None if sync else last["rollout/idle_ratio"],
+        "train_compute_s_per_step": _mean_after_warmup(history["train/step_time_s"]),
+        "wall_s_per_step": (
+            (wall[-1][1] - wall[0][1]) / (wall[-1][0] - wall[0][0])
+            if len(wall) > 1 and wall[-1][0] > wall[0][0]
+            else None
+        ),
+    }
+    trainer_idle, rollout_idle = out["trainer_idle"], out["rollout_idle"]
+    if not sync and trainer_idle is not None and rollout_idle is not None and cores >= 2:
+        out["suggested"] = suggest_split(cores, trainer_idle, rollout_idle)
+    return out
+
+
+def suggest_split(cores: int, trainer_idle: float, rollout_idle: float) -> dict[str, int]:
+    """Cores in proportion to each side's busy share, at least one each."""
+    train_busy, rollout_busy = 1.0 - trainer_idle, 1.0 - rollout_idle
+    share = train_busy / max(1e-9, train_busy + rollout_busy)
+    train_threads = min(cores - 1, max(1, round(cores * share)))
+    return {"rollout": cores - train_threads, "train": train_threads}
+
+
+def core_split_lines(split: dict[str, Any]) -> list[str]:
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    threads = ", ".join(f"{role} {n}" for role, n in split["threads"].items())
+    lines = [f"- cores: {split['cores']}; torch threads: {threads}"]
+    per_step = split.get("wall_s_per_step")
+    compute = split.get("train_compute_s_per_step")
+    if per_step and compute:
+        lines.append(
+            f"- per step: {per_step:.2f} s of wall time, {compute:.2f} s of it training compute"
+        )
+    lines.append(
+        f"- trainer idle {pct(split['trainer_idle'])} (waiting for data)"
+        + (
+            ""
+            if split["rollout_idle"] is None
+            else f", rollout idle {pct(split['rollout_idle'])} (held by the staleness gate)"
+        )
+    )
+    if "suggested" in split:
+        suggested = split["suggested"]
+        lines.append(
+            f"- measured busy time suggests rollout {suggested['rollout']} / train "
+            f"{suggested['train']} threads on this machine (`threads_per_role` sets both)"
+        )
+    return lines
+
+
 def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, Any]:
     uri = config.tracking.uri
     held_out = get_metric_history(uri, mlflow_run_id, "eval/reward")
@@ -159,7 +249,16 @@ def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, A
         result["effective_tokens_per_s"] = throughput[-1][1]
     if wall:
         result["train_wall_time_s"] = wall[-1][1]
+    result["core_split"] = core_split(
+        config, uri, mlflow_run_id, sync=not registry_is_async(registry)
+    )
     return result
+
+
+def registry_is_async(registry: Any) -> bool:
+    """Whether the run's versions came from the asynchronous flow (sync tags each 'mode: sync')."""
+    latest = registry.latest()
+    return latest is None or latest.tags.get("mode") != "sync"
 
 
 @task(name="publish-summary", cache_policy=NO_CACHE, persist_result=False)
@@ -195,6 +294,7 @@ def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> 
         f"- checkpoint: `{result['checkpoint_uri']}`",
         f"- MLflow run: {result['mlflow_run_url']} (`mlflow ui --backend-store-uri {cfg.tracking.uri}`)",
         f"- reward curves: `{curves}` in the MLflow run",
+        *core_split_lines(result["core_split"]),
     ]
     create_markdown_artifact(
         "\n".join(lines), key="run-summary", description=f"Summary of {run_id}"

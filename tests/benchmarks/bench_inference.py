@@ -13,7 +13,14 @@ request produces exactly its drawn length in both systems (same useful work).
       (left-padded); each batch decodes until its longest request is done, and
       the tokens past a request's own length are discarded.
 
-(b) Weight updates under a steady request stream: a feeder keeps the engine's
+(b) Short responses in GRPO groups, the shape of an RL step on a short-answer task:
+    ``--groups`` prompts × ``--group-size`` samples each, prompts of 16-32 tokens,
+    responses of 6-14 tokens (EOS ignored, so both systems produce the same tokens),
+    ``--rounds-short`` rounds. HF generate gets each round as one static batch (every
+    prompt repeated group-size times, as a plain synchronous RL loop does); the engine
+    gets the same requests and may reuse a prompt's prefill across its group.
+
+(c) Weight updates under a steady request stream: a feeder keeps the engine's
     queue non-empty while a new checkpoint is loaded every ``--update-every-s``
     seconds; windows of each mode are interleaved over ``--rounds`` rounds so
     the load of a shared machine hits all modes alike.
@@ -31,6 +38,9 @@ request produces exactly its drawn length in both systems (same useful work).
     too). On a GPU, decode is memory-bound and prefill far cheaper per token,
     which is where interruptible updates pay off (AReaL §3). What a drain
     always costs is freshness: each update lands "drain wait" seconds late.
+
+    The ceiling of interruptible / drain is no-updates / drain: an interruptible update
+    cannot make generation faster than not updating at all; the line is printed.
 
     python tests/benchmarks/bench_inference.py [--requests 256 --batch 64 --threads 1]
 """
@@ -91,6 +101,27 @@ def workload(
         params = SamplingParams(max_new_tokens=length, temperature=1.0, ignore_eos=True, seed=i)
         requests.append(GenerationRequest(prompt, params))
     return requests
+
+
+def short_rounds(
+    rng: np.random.Generator, rounds: int, groups: int, group_size: int
+) -> list[list[GenerationRequest]]:
+    """Rounds of `groups` prompts x `group_size` samples with 6-14 token responses."""
+    out = []
+    for r in range(rounds):
+        requests = []
+        for g in range(groups):
+            prompt = rng.integers(3, VOCAB, size=int(rng.integers(16, 33))).tolist()
+            for k in range(group_size):
+                params = SamplingParams(
+                    max_new_tokens=int(rng.integers(6, 15)),
+                    temperature=1.0,
+                    ignore_eos=True,
+                    seed=(r * groups + g) * group_size + k,
+                )
+                requests.append(GenerationRequest(prompt, params))
+        out.append(requests)
+    return out
 
 
 def run_engine(engine: InferenceEngine, requests: list[GenerationRequest]) -> tuple[int, float]:
@@ -219,6 +250,9 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=9.0)
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--rounds-short", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
@@ -259,9 +293,40 @@ def main() -> None:
         )
         print(f"    ratio engine / HF generate: {engine_tps / hf_tps:.2f}x")
 
+        rounds = short_rounds(
+            np.random.default_rng(1), args.rounds_short, args.groups, args.group_size
+        )
+        width = args.groups * args.group_size
+        short_engine = InferenceEngine(
+            dirs[0], max_batch_size=width, max_seq_len=max_seq_len, seed=0
+        )
+        short_engine.generate(rounds[0])  # warm-up
+        run_hf(model, rounds[0], width)  # warm-up
+        engine_tokens = hf_tokens = 0
+        engine_s = hf_s = 0.0
+        for requests in rounds:  # interleaved, so machine noise hits both alike
+            tokens, seconds = run_engine(short_engine, requests)
+            engine_tokens, engine_s = engine_tokens + tokens, engine_s + seconds
+            tokens, seconds, _ = run_hf(model, requests, width)
+            hf_tokens, hf_s = hf_tokens + tokens, hf_s + seconds
+        assert engine_tokens == hf_tokens
+        print(
+            f"(b) short responses: {args.rounds_short} rounds of {args.groups} prompts x "
+            f"{args.group_size} samples, 6-14 new tokens each"
+        )
+        print(
+            f"    engine (prompt cache, continuous batching): {engine_tokens} tokens in "
+            f"{engine_s:.2f} s = {engine_tokens / engine_s:,.0f} tok/s"
+        )
+        print(
+            f"    HF generate (one static batch a round): {hf_tokens} tokens in {hf_s:.2f} s"
+            f" = {hf_tokens / hf_s:,.0f} tok/s"
+        )
+        print(f"    ratio engine / HF generate: {hf_s / engine_s:.2f}x")
+
         modes = ("none", "interruptible", "drain")
         print(
-            f"(b) steady stream, weight update every {args.update_every_s:.1f} s, batch {args.batch}; "
+            f"(c) steady stream, weight update every {args.update_every_s:.1f} s, batch {args.batch}; "
             f"{args.rounds} rounds x {args.window_s:.0f} s per mode, modes interleaved"
         )
         totals = {
@@ -302,6 +367,7 @@ def main() -> None:
                 )
             print(f"    {labels[mode]:>13}: {tps[mode]:,.0f} tok/s{detail}")
         print(f"    ratio interruptible / drain: {tps['interruptible'] / tps['drain']:.2f}x")
+        print(f"    ceiling (no updates / drain): {tps['none'] / tps['drain']:.2f}x")
 
 
 if __name__ == "__main__":
