@@ -44,7 +44,7 @@ from flows.study_stats import TIME_TO_TARGET_CONTENDERS, mean_std
 from infra.config import ConfigError, RunConfig
 from infra.tracking import get_metric_history
 
-EVAL_TIMES: tuple[float, ...] = (0, 15, 30, 45, 60, 80, 100, 120, 150, 180, 240, 300)
+EVAL_TIMES: tuple[float, ...] = (0, 5, 10, 15, 20, 25, 30, 40, 50, 60, 80, 100, 120, 150, 180, 240, 300)
 """Seconds since the flow was called at which the newest committed version is scored."""
 FIXED_TIMES: tuple[float, ...] = (60, 120, 300)
 REFINE_EVALS = 4
