@@ -44,7 +44,25 @@ from flows.study_stats import TIME_TO_TARGET_CONTENDERS, mean_std
 from infra.config import ConfigError, RunConfig
 from infra.tracking import get_metric_history
 
-EVAL_TIMES: tuple[float, ...] = (0, 5, 10, 15, 20, 25, 30, 40, 50, 60, 80, 100, 120, 150, 180, 240, 300)
+EVAL_TIMES: tuple[float, ...] = (
+    0,
+    5,
+    10,
+    15,
+    20,
+    25,
+    30,
+    40,
+    50,
+    60,
+    80,
+    100,
+    120,
+    150,
+    180,
+    240,
+    300,
+)
 """Seconds since the flow was called at which the newest committed version is scored."""
 FIXED_TIMES: tuple[float, ...] = (60, 120, 300)
 REFINE_EVALS = 4
@@ -240,6 +258,8 @@ def run_trial(
     trial.time_to_target_s = time_to_target(times, scored.score, target, grid)
     for at_s in fixed_times:
         trial.reward_at[f"{at_s:g}"] = reward_at(times, scored.score, at_s)
+    for at_s in grid:  # the whole curve, not only up to the target
+        reward_at(times, scored.score, at_s)
     at = dict(times)
     trial.curve = sorted((at[v], v, r) for v, r in scored.scores.items())
     return trial
@@ -287,6 +307,30 @@ def summary_table(
             f"| {mean_std(t.trainer_idle_ratio for t in mine).format('.2f')} "
             f"| {mean_std(t.rollout_idle_ratio for t in mine).format('.2f')} |"
         )
+    return "\n".join(lines)
+
+
+def curve_at(trial: Trial, at_s: float, start: float) -> float:
+    """Held-out reward of the newest scored version committed by `at_s` (start before v0)."""
+    reward = start
+    for seconds, _, value in trial.curve:
+        if seconds > at_s:
+            break
+        reward = value
+    return reward
+
+
+def curve_table(trials: Sequence[Trial], start: float, grid: Sequence[float]) -> str:
+    """Mean held-out reward over seeds at each grid time, one row per contender."""
+    labels = list(dict.fromkeys(t.label for t in trials))
+    lines = [
+        "| contender | " + " | ".join(f"{t:g} s" for t in grid) + " |",
+        "|---|" + "---|" * len(grid),
+    ]
+    for label in labels:
+        mine = [t for t in trials if t.label == label]
+        cells = [f"{sum(curve_at(t, at_s, start) for t in mine) / len(mine):.3f}" for at_s in grid]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -387,6 +431,8 @@ def bench_time_to_target(
             report = (
                 header
                 + summary_table(trials, target, horizon_s, fixed)
+                + "\n\nMean held-out reward by wall-clock time (the curve):\n\n"
+                + curve_table(trials, start, grid)
                 + "\n\nPer run (time since the flow was called, version, held-out reward):\n"
                 + "\n".join(seed_lines(trials))
                 + "\n"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from flows.time_to_target import Trial, newest_at, reward_at, summary_table, time_to_target
+from flows.time_to_target import (
+    Trial,
+    curve_table,
+    newest_at,
+    reward_at,
+    summary_table,
+    time_to_target,
+)
 
 # Version k committed at 10 + 2k seconds (version 0 after 10 s of start-up).
 TIMES = [(k, 10.0 + 2 * k) for k in range(60)]
@@ -84,3 +91,12 @@ def test_summary_table_divides_sync_time_by_each_contenders_time() -> None:
     # A contender that missed the target on a seed gets no ratio: its mean would flatter it.
     assert "1/2" in rows["async η=1"] and "> 300 for 1" in rows["async η=1"]
     assert "| - |" in rows["async η=1"]
+
+
+def test_curve_table_averages_the_step_curves_of_the_seeds() -> None:
+    a = _trial("sync", 0, 20.0)
+    a.curve = [(5.0, 0, 0.1), (20.0, 10, 0.3)]
+    b = _trial("sync", 1, 30.0)
+    b.curve = [(5.0, 0, 0.1), (30.0, 15, 0.5)]
+    table = curve_table([a, b], start=0.1, grid=[0, 20, 30])
+    assert table.splitlines()[2] == "| sync | 0.100 | 0.200 | 0.400 |"
