@@ -34,10 +34,23 @@ w + σ·std(w)·N(0, 1), drawn from a generator keyed by ``(seed, weight version
 name)``. The trainer keeps clean weights, so π_behav ≠ π_prox by construction and a
 rollout-correction study has a known, reproducible mismatch to correct.
 
-Departures from SGLang/AReaL worth knowing: there is no prefix (radix) cache,
-prefill and decode run as separate forward passes of one scheduler step, and
-models whose attention uses an active sliding window shorter than
-``max_seq_len`` are refused rather than windowed.
+Speed on small models (where a step's fixed costs, not its arithmetic, decide):
+
+- a prompt cache keeps each prefilled prompt's K/V and last logits under the
+  served weights, so the G samples of a GRPO group prefill their prompt once;
+- Llama-shaped models run through ``engines.fast_decoder`` (fused projections, one
+  rotary table) instead of the Hugging Face module tree;
+- prefill packs whole sequences without padding, in chunks of
+  ``max_prefill_tokens`` sized to stay in a CPU's cache; after a weight update
+  every in-flight sequence is recomputed in these packed chunks;
+- resident sequences keep their admission order in the slots, so decode attention
+  runs over ranges of rows of similar length (``decode_buckets``) instead of
+  padding every row to the longest.
+
+Departures from SGLang/AReaL worth knowing: the prompt cache matches whole prompts,
+not shared prefixes (no radix tree); prefill and decode run as separate forward
+passes of one scheduler step; and models whose attention uses an active sliding
+window shorter than ``max_seq_len`` are refused rather than windowed.
 """
 
 from __future__ import annotations
