@@ -387,6 +387,11 @@ class _PromptEntry:
     logits: torch.Tensor
 
 
+def _entry_bytes(entry: _PromptEntry) -> int:
+    tensors = [*entry.keys, *entry.values, entry.logits]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class _PromptCache:
     """Prefilled prompts under the current weights, least recently used evicted first.
 
@@ -397,9 +402,11 @@ class _PromptCache:
     (up to float rounding of the batch it was computed in).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._entries: dict[tuple[int, ...], _PromptEntry] = {}
+        self._bytes = 0
         self.hits = 0
         self.misses = 0
 
@@ -410,15 +417,24 @@ class _PromptCache:
         return entry
 
     def put(self, prompt: tuple[int, ...], entry: _PromptEntry) -> None:
-        if self.capacity <= 0:
+        size = _entry_bytes(entry)
+        if self.capacity <= 0 or size > self.max_bytes:
             return
-        self._entries.pop(prompt, None)
+        old = self._entries.pop(prompt, None)
+        if old is not None:
+            self._bytes -= _entry_bytes(old)
         self._entries[prompt] = entry
-        while len(self._entries) > self.capacity:
-            self._entries.pop(next(iter(self._entries)))
+        self._bytes += size
+        while len(self._entries) > self.capacity or self._bytes > self.max_bytes:
+            self._bytes -= _entry_bytes(self._entries.pop(next(iter(self._entries))))
 
     def clear(self) -> None:
         self._entries.clear()
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -562,7 +578,8 @@ class InferenceEngine:
                 loaded, keyed by ``(seed, weight version)`` (see ``perturb_weights``);
                 injects train–inference mismatch on purpose. 0 = off.
             prompt_cache_size: prefilled prompts kept for reuse (see ``_PromptCache``);
-                default ``max_batch_size``, 0 turns the cache off.
+                default ``max_batch_size``, 0 turns the cache off. Whatever the count,
+                the cache holds at most a quarter of the KV cache's bytes.
             fast_forward: run Llama-shaped models through ``engines.fast_decoder``
                 (same arithmetic, fewer calls); False, or any other model type, runs
                 the Hugging Face decoder.
@@ -634,8 +651,13 @@ class InferenceEngine:
         self._mask_min = torch.finfo(self.dtype).min
         if prompt_cache_size is not None and prompt_cache_size < 0:
             raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
+        # At most a quarter of the slot cache's own size, whatever the entry count.
+        kv_bytes = sum(
+            t.numel() * t.element_size() for t in (*self._cache.keys, *self._cache.values)
+        )
         self._prompts = _PromptCache(
-            max_batch_size if prompt_cache_size is None else prompt_cache_size
+            max_batch_size if prompt_cache_size is None else prompt_cache_size,
+            max_bytes=kv_bytes // 4,
         )
 
         self._weight_version = int(weight_version)

@@ -565,6 +565,11 @@ class _Storage:
     def list_names(self, directory: str) -> list[str]:
         """Fresh listing of base names in ``directory``; a missing directory is empty."""
         with self.guard("list", directory):
+            if isinstance(self.fs, LocalFileSystem):  # no per-entry stat: ~5x faster
+                try:
+                    return os.listdir(directory)
+                except FileNotFoundError:
+                    return []
             self.fs.invalidate_cache(directory)
             try:
                 paths = self.fs.ls(directory, detail=False)
@@ -866,6 +871,9 @@ class StreamReader:
         self._in_flight: dict[str, ShardRef] = {}
         self._bad: set[str] = set()
         self._warned_names: set[str] = set()
+        # Shard names are immutable: parse each once, not on every poll. A long run's
+        # stream holds thousands of shards and a poller lists it every few tens of ms.
+        self._parsed: dict[str, ShardRef] = {}
         self._load_ledger()
 
     @property
@@ -879,10 +887,14 @@ class StreamReader:
         """Every shard committed to the stream and still in it, oldest first (fresh listing)."""
         refs = []
         for name in self._storage.list_names(self._storage.prefix):
-            if _SHARD_RE.match(name) is None:
-                self._warn_foreign_name(name)
-                continue
-            refs.append(ShardRef.from_url(self._storage.url_of(f"{self._storage.prefix}/{name}")))
+            ref = self._parsed.get(name)
+            if ref is None:
+                if _SHARD_RE.match(name) is None:
+                    self._warn_foreign_name(name)
+                    continue
+                ref = ShardRef.from_url(self._storage.url_of(f"{self._storage.prefix}/{name}"))
+                self._parsed[name] = ref
+            refs.append(ref)
         refs.sort()
         return refs
 

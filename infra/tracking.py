@@ -88,6 +88,25 @@ def _prepare_sqlite(tracking_uri: str) -> None:
         raise TrackingUnavailable(
             f"MLflow tracking database {tracking_uri} cannot be created: {exc}"
         ) from None
+    _use_wal(Path(path))
+
+
+def _use_wal(path: Path) -> None:
+    """Put the sqlite database in write-ahead-log mode (a property of the file, set once).
+
+    Every role process reads the registry (the rollout polls the alias) while the
+    trainer writes versions and metrics. In sqlite's default rollback-journal mode a
+    writer must wait until no reader holds the file, so each commit queues behind
+    the pollers; in WAL mode readers and the one writer proceed side by side.
+    """
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=30)) as db:
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error as exc:  # a read-only or network location: keep the default
+        logger.warning("could not switch %s to WAL mode: %s", path, exc)
 
 
 def get_client(tracking_uri: str, *, connect_timeout_s: float = 5.0) -> MlflowClient:

@@ -639,3 +639,20 @@ def test_random_schedules_of_pauses_and_updates_lose_no_request(
         assert all(lp <= 0.0 for lp in out.behaviour_logprobs)
         if out.finish_reason != "abort":
             assert n >= 1
+
+
+def test_prompt_cache_stays_within_a_quarter_of_the_kv_cache(model_dirs: dict[str, Path]) -> None:
+    engine = _engine(model_dirs["v0"], max_batch_size=2, max_seq_len=96, prompt_cache_size=1000)
+    kv_bytes = sum(
+        t.numel() * t.element_size() for t in (*engine._cache.keys, *engine._cache.values)
+    )
+    for n in range(30):  # 30 distinct prompts, each about a tenth of the K/V cache
+        engine.generate(
+            [
+                GenerationRequest(
+                    [3 + (n + j) % 30 for j in range(20)], SamplingParams(max_new_tokens=1)
+                )
+            ]
+        )
+    assert 0 < engine._prompts.nbytes <= kv_bytes // 4
+    assert len(engine._prompts) < 30
