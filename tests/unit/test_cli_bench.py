@@ -1,4 +1,4 @@
-"""`sluice bench staleness|mismatch|determinism` argument handling: fast, no Prefect started."""
+"""`sluice bench time-to-target|staleness|mismatch|determinism` argument handling: fast, no Prefect started."""
 
 import sys
 import types
@@ -43,11 +43,31 @@ def test_study_options_parse_into_cells_and_seeds():
             ["bench", "mismatch", "--set", "trainer.loss.decoupled=false"],
             "only the decoupled objective applies",
         ),
+        (["bench", "staleness", "--horizon", "60"], "--horizon applies to"),
+        (["bench", "time-to-target", "--horizon", "0"], "--horizon must be > 0"),
+        (["bench", "time-to-target", "--delta", "-0.1"], "--delta must be > 0"),
+        (["bench", "time-to-target", "--variant", "async η=9"], "unknown contender"),
+        (
+            ["bench", "time-to-target", "--set", "trainer.time_budget_s=10"],
+            "choose values with --horizon",
+        ),
     ],
 )
 def test_study_options_that_cannot_apply_fail_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     assert message in one_error_line(capsys)
+
+
+def test_bench_time_to_target_hands_its_options_to_the_benchmark(monkeypatch):
+    calls = []
+    fake = types.ModuleType("flows.time_to_target")
+    fake.run_from_cli = lambda config, overrides, **options: calls.append(options) or 0
+    monkeypatch.setitem(sys.modules, "flows.time_to_target", fake)
+    argv = ["bench", "time-to-target", "--variant", "sync", "--variant", "async η=4"]
+    assert main([*argv, "--seeds", "2", "--horizon", "90", "--delta", "0.1"]) == 0
+    assert calls == [
+        {"contenders": ["sync", "async η=4"], "seeds": 2, "horizon_s": 90.0, "delta": 0.1}
+    ]
 
 
 def test_bench_determinism_hands_config_and_overrides_to_flows_determinism(monkeypatch):
