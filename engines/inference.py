@@ -1162,22 +1162,20 @@ class InferenceEngine:
                 first_of.add(seq.prompt)
                 to_prefill.append(seq)
         chunk: list[_Sequence] = []
-        longest = 0
+        longest = total = 0
         # Longest first, so each padded chunk holds sequences of similar length
-        # (a recompute after a weight update re-prefills very uneven lengths).
+        # (a recompute after a weight update re-prefills very uneven lengths). The
+        # packed path pays for real tokens only; the padded one for rows x longest.
         packed = self._fast is not None
         for seq in sorted(to_prefill, key=lambda s: s.num_tokens, reverse=True):
             longest_if_added = max(longest, seq.num_tokens)
-            cost = (
-                sum(s.num_tokens for s in chunk) + seq.num_tokens
-                if packed
-                else longest_if_added * (len(chunk) + 1)
-            )
+            cost = total + seq.num_tokens if packed else longest_if_added * (len(chunk) + 1)
             if chunk and cost > self.max_prefill_tokens:
                 self._prefill_chunk(chunk)
-                chunk, longest_if_added = [], seq.num_tokens
+                chunk, longest_if_added, total = [], seq.num_tokens, 0
             chunk.append(seq)
             longest = longest_if_added
+            total += seq.num_tokens
         if chunk:
             self._prefill_chunk(chunk)
         if reuse:

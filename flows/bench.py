@@ -87,9 +87,7 @@ class VariantResult:
 
 def variant_config(base: RunConfig, variant: Variant, tag: str) -> RunConfig:
     config = base.model_copy(deep=True)
-    config.name = (
-        f"bench-{tag}-{variant.label.replace(' ', '-').replace('=', '').replace('η', 'eta')}"
-    )
+    config.name = f"bench-{tag}-{label_slug(variant.label)}"
     config.staleness.max_staleness = variant.max_staleness
     config.rollout.interruptible = variant.interruptible
     return config
@@ -155,13 +153,7 @@ def bench_async_vs_sync(
     from flows.train_sync import train_sync
 
     logger = get_run_logger()
-    chosen = default_variants()
-    if variants:
-        known = {v.label: v for v in chosen}
-        unknown = [v for v in variants if v not in known]
-        if unknown:
-            raise ConfigError(f"unknown bench variant(s) {unknown}; known: {list(known)}")
-        chosen = [known[v] for v in variants]
+    chosen = choose(default_variants(), variants, "bench variant")
     tag = bench_tag()
     results: list[VariantResult] = []
     for variant in chosen:
@@ -183,6 +175,22 @@ def bench_async_vs_sync(
 
 
 # ---------------------------------------------------------------- shared machinery
+
+
+def label_slug(label: str) -> str:
+    """A variant's label as run names allow it: 'async η=4 drain' -> 'async-eta4-drain'."""
+    return label.replace(" ", "-").replace("=", "").replace("η", "eta")
+
+
+def choose(options: list[Any], labels: list[str] | None, what: str) -> list[Any]:
+    """The options whose `.label` is in `labels`, in that order (all of them for None)."""
+    if not labels:
+        return options
+    known = {option.label: option for option in options}
+    unknown = [label for label in labels if label not in known]
+    if unknown:
+        raise ConfigError(f"unknown {what}(s) {unknown}; known: {list(known)}")
+    return [known[label] for label in labels]
 
 
 def bench_tag() -> str:

@@ -38,10 +38,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.bench import bench_tag, publish_report, run_shape, with_settings
+from flows.bench import bench_tag, choose, label_slug, publish_report, run_shape, with_settings
 from flows.studies import pin_initial_policy
 from flows.study_stats import TIME_TO_TARGET_CONTENDERS, mean_std
-from infra.config import ConfigError, RunConfig
+from infra.config import RunConfig
 from infra.tracking import get_metric_history
 
 EVAL_TIMES: tuple[float, ...] = (
@@ -185,15 +185,11 @@ class ScoredRun:
 
     def score(self, version: int) -> float:
         if version not in self.scores:
-            from infra.checkpoints import fetch_checkpoint
-            from tasks.evaluate import eval_weights_dir, evaluate_model_dir
+            from tasks.evaluate import evaluate_checkpoint
 
-            local = fetch_checkpoint(
-                self.checkpoints[version],
-                eval_weights_dir(self.config, self.run_id) / f"v{version:06d}",
-                storage_options=self.config.storage.options,
+            metrics = evaluate_checkpoint(
+                self.config, self.run_id, version, self.checkpoints[version]
             )
-            metrics = evaluate_model_dir(self.config, Path(local), version)
             self.scores[version] = metrics["eval/reward"]
         return self.scores[version]
 
@@ -206,11 +202,10 @@ def eval_config(config: RunConfig) -> RunConfig:
 def run_config(
     base: RunConfig, contender: Contender, tag: str, seed: int, horizon_s: float
 ) -> RunConfig:
-    slug = contender.label.replace(" ", "-").replace("=", "").replace("η", "eta")
     return with_settings(
         base,
         {
-            "name": f"ttt-{tag}-{slug}-s{seed}",
+            "name": f"ttt-{tag}-{label_slug(contender.label)}-s{seed}",
             "seed": seed,
             "staleness.max_staleness": contender.max_staleness,
             "trainer.time_budget_s": horizon_s,
@@ -393,13 +388,7 @@ def bench_time_to_target(
     from tasks.evaluate import evaluate_model_dir
 
     logger = get_run_logger()
-    chosen = list(CONTENDERS)
-    if contenders:
-        known = {c.label: c for c in CONTENDERS}
-        unknown = [c for c in contenders if c not in known]
-        if unknown:
-            raise ConfigError(f"unknown contender(s) {unknown}; known: {list(known)}")
-        chosen = [known[c] for c in contenders]
+    chosen = choose(list(CONTENDERS), contenders, "contender")
     tag = bench_tag()
     config = pin_initial_policy(config)
     scoring = eval_config(config)

@@ -49,4 +49,4 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
     watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()
-    return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)
+    return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)

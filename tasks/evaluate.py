@@ -135,6 +135,22 @@ def eval_weights_dir(config: RunConfig, run_id: str) -> Path:
     return Path(config.workdir) / "runs" / run_id / "eval-weights"
 
 
+def evaluate_checkpoint(
+    config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str
+) -> dict[str, float]:
+    """Fetch one committed checkpoint into the run's evaluation cache and score it.
+
+    The evaluate role, `sluice eval` and the time-to-target benchmark share the cache,
+    so weights one of them fetched are not downloaded again.
+    """
+    local = fetch_checkpoint(
+        checkpoint_uri,
+        eval_weights_dir(config, run_id) / f"v{policy_version:06d}",
+        storage_options=config.storage.options,
+    )
+    return evaluate_model_dir(config, local, policy_version)
+
+
 def should_evaluate(version: int, config: RunConfig) -> bool:
     every = config.trainer.eval_every
     return (
@@ -164,7 +180,6 @@ def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
     control.install_signal_handlers()
     status = StatusReporter(config, paths, "evaluate")
     registry = run_registry(config, run_id)
-    cache = eval_weights_dir(config, run_id)
     done: dict[int, dict[str, Any]] = {
         v.policy_version: {"eval/reward": float(v.tags["eval.reward"])}
         for v in registry.versions()
@@ -190,12 +205,7 @@ def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
             continue
         # Oldest first for a readable curve, but never fall behind by more than one.
         target = wanted[0] if len(wanted) == 1 else wanted[-1] if not finished else wanted[0]
-        local = fetch_checkpoint(
-            target.checkpoint_uri,
-            cache / f"v{target.policy_version:06d}",
-            storage_options=config.storage.options,
-        )
-        metrics = evaluate_model_dir(config, local, target.policy_version)
+        metrics = evaluate_checkpoint(config, run_id, target.policy_version, target.checkpoint_uri)
         record(config, registry, mlflow_run_id, target, metrics)
         done[target.policy_version] = metrics
         history.append((target.policy_version, metrics["eval/reward"]))
@@ -232,13 +242,7 @@ def evaluate_version(
             f"policy version {policy_version} of run {run_id!r} is not committed in "
             f"{registry.model_name!r} at {cfg.tracking.uri}"
         )
-    # The evaluate role's cache, so weights it already fetched are not downloaded again.
-    local = fetch_checkpoint(
-        target.checkpoint_uri,
-        eval_weights_dir(cfg, run_id) / f"v{policy_version:06d}",
-        storage_options=cfg.storage.options,
-    )
-    metrics = evaluate_model_dir(cfg, local, policy_version)
+    metrics = evaluate_checkpoint(cfg, run_id, policy_version, target.checkpoint_uri)
     record(cfg, registry, mlflow_run_id, target, metrics)
     get_run_logger().info(
         "run %s policy version %d: held-out reward %.3f, pass@1 %.3f",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import RunConfig
-from tasks.common import read_json, role_threads, run_paths
+from tasks.common import read_json, role_threads, run_paths, write_json
 
 log = logging.getLogger("sluice.rollout")
 
@@ -78,8 +78,6 @@ class EmbeddedServer:
 
 def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str) -> None:
     """Tell the rollout role which committed version the run starts from."""
-    from tasks.common import write_json
-
     write_json(
         config,
         f"{run_paths(config, run_id).control}/{START_FILE}",

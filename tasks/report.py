@@ -224,7 +224,9 @@ def core_split_lines(split: dict[str, Any]) -> list[str]:
     return lines
 
 
-def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, Any]:
+def summarise(
+    config: RunConfig, run_id: str, mlflow_run_id: str, sync: bool = False
+) -> dict[str, Any]:
     uri = config.tracking.uri
     held_out = get_metric_history(uri, mlflow_run_id, "eval/reward")
     throughput = get_metric_history(uri, mlflow_run_id, "train/effective_tokens_per_s")
@@ -249,23 +251,20 @@ def summarise(config: RunConfig, run_id: str, mlflow_run_id: str) -> dict[str, A
         result["effective_tokens_per_s"] = throughput[-1][1]
     if wall:
         result["train_wall_time_s"] = wall[-1][1]
-    result["core_split"] = core_split(
-        config, uri, mlflow_run_id, sync=not registry_is_async(registry)
-    )
+    result["core_split"] = core_split(config, uri, mlflow_run_id, sync=sync)
     return result
 
 
-def registry_is_async(registry: Any) -> bool:
-    """Whether the run's versions came from the asynchronous flow (sync tags each 'mode: sync')."""
-    latest = registry.latest()
-    return latest is None or latest.tags.get("mode") != "sync"
-
-
 @task(name="publish-summary", cache_policy=NO_CACHE, persist_result=False)
-def publish_summary(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> dict[str, Any]:
-    """Reward curves to MLflow, summary and per-version table to Prefect; closes the MLflow run."""
+def publish_summary(
+    config: dict[str, Any], run_id: str, mlflow_run_id: str, sync: bool = False
+) -> dict[str, Any]:
+    """Reward curves to MLflow, summary and per-version table to Prefect; closes the MLflow run.
+
+    `sync`: the run came from the colocated baseline (one role, no rollout side).
+    """
     cfg = RunConfig.model_validate(config)
-    result = summarise(cfg, run_id, mlflow_run_id)
+    result = summarise(cfg, run_id, mlflow_run_id, sync=sync)
     result["reward_curve_artifact"] = curves = log_reward_curves(cfg, run_id, mlflow_run_id)
     registry = run_registry(cfg, run_id)
     rows = [
