@@ -28,6 +28,7 @@ from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
 from tasks.common import ROLES, RunControl, read_statuses, run_paths, run_registry
 from tasks.inference_server import write_start
+from tasks.launch import close_launcher, warm_launcher
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 from tasks.supervise import run_role
@@ -241,6 +242,7 @@ def train(
     were in flight.
     """
     started = time.monotonic()
+    warm_launcher()  # the roles' imports, once, while this flow sets the run up
     config = config or load_config("default")
     logger = get_run_logger()
     if resume and not run_id:
@@ -274,6 +276,7 @@ def train(
     roles = [r for r in ROLES if r != "evaluate" or config.trainer.eval_during_run]
     futures = run_roles(roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir)
     watch_progress(config, run_id, futures, started=started)
+    close_launcher()  # every role has ended; the next run starts its own
     for future in futures.values():
         future.result()  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

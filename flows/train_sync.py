@@ -22,6 +22,7 @@ from flows.train import (
 )
 from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
+from tasks.launch import close_launcher, warm_launcher
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 
@@ -30,6 +31,7 @@ from tasks.report import publish_summary
 def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
     started = time.monotonic()
+    warm_launcher()  # the roles' imports, once, while this flow sets the run up
     config = config or load_config("default")
     run_id = run_id or new_run_id(config)
     mlflow_run_id = start_or_resume_run(
@@ -47,6 +49,7 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
     names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
     futures = run_roles(roles, names, str(config_path), run_id, mlflow_run_id, log_dir)
     watch_progress(config, run_id, futures, started=started)
+    close_launcher()  # every role has ended; the next run starts its own
     for future in futures.values():
         future.result()
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)

@@ -8,15 +8,14 @@ start-up overlaps everything else the roles do before the first prompt is genera
 from __future__ import annotations
 
 import logging
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from infra.config import RunConfig
 from tasks.common import read_json, role_threads, run_paths, write_json
+from tasks.launch import start_forked_or_fresh
 
 log = logging.getLogger("sluice.rollout")
 
@@ -39,11 +38,7 @@ class EmbeddedServer:
         self.model_dir = Path(model_dir)
         self.weight_version = weight_version
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_dir / "inference-server.log", "ab")  # noqa: SIM115 - lives with the process
-        cmd = [
-            sys.executable,
-            "-m",
-            "engines.server",
+        argv = [
             "--model",
             str(model_dir),
             "--host",
@@ -64,16 +59,17 @@ class EmbeddedServer:
             str(config.rollout.weight_noise_std),
             "--exit-with-parent",
         ]
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        from engines.server import main as serve_main
+
+        self.process = start_forked_or_fresh(
+            serve_main,
+            argv,
+            log_dir / "inference-server.log",
+            [sys.executable, "-m", "engines.server", *argv],
+        )
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self._log.close()
+        self.process.stop(grace_s=10)
 
 
 def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str) -> None:

@@ -1,7 +1,8 @@
 """Run one long-lived role in its own OS process, under a Prefect task.
 
 Each role (rollout, reward, train, evaluate) is a loop in a child process, so
-generation and training really overlap on CPU instead of sharing one GIL. The
+generation and training really overlap on CPU instead of sharing one GIL. The child
+is forked from a launcher that has the roles' imports done (tasks/launch.py). The
 Prefect task around it owns the lifecycle: it starts the child, forwards a stop,
 and turns a non-zero exit into a task failure that Prefect retries; a retried role
 resumes from its ledger and the registry, which is what makes "kill any task at any
@@ -10,15 +11,14 @@ moment" survivable.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+
+from tasks.launch import start_role
 
 
 class RoleFailed(RuntimeError):
@@ -58,30 +58,20 @@ def supervise_role(
     """Start the role process, wait for it, and fail loudly if it fails."""
     log_path = Path(log_dir) / f"{role}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            role_command(role, config_path, run_id, mlflow_run_id),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        try:
-            while proc.poll() is None:
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:  # the flow is going away: let the role flush
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(stop_grace_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    if proc.returncode != 0:
+    command = role_command(role, config_path, run_id, mlflow_run_id)
+    child = start_role(command[3:], log_path, command)
+    try:
+        while child.poll() is None:
+            time.sleep(0.5)
+    finally:
+        if child.poll() is None:  # the flow is going away: let the role flush
+            child.stop(stop_grace_s)
+    code = child.poll()
+    if code != 0:
         raise RoleFailed(
-            f"{role} process exited with code {proc.returncode}; last lines of {log_path}:\n{_tail(log_path)}"
+            f"{role} process exited with code {code}; last lines of {log_path}:\n{_tail(log_path)}"
         )
-    return proc.returncode
+    return 0
 
 
 @task(
