@@ -65,12 +65,27 @@ def fork_available() -> bool:
 # ---------------------------------------------------------------- the child side
 
 
+def set_process_name(name: str) -> None:
+    """The name `ps -o comm` and `top` show (Linux; 15 bytes), so forked roles are told apart.
+
+    A forked child keeps the launcher's command line; this is what differs.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def run_in_child(
     target: Callable[[list[str]], Any] | str,
     argv: list[str],
     log_path: str,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
+    name: str | None = None,
 ) -> int:
     """In a freshly forked child: the caller's environment, output to `log_path`, then run.
 
@@ -81,6 +96,8 @@ def run_in_child(
     leaves with os._exit.
     """
     code = 1
+    if name:
+        set_process_name(name)
     try:
         if env is not None:
             os.environ.clear()
@@ -169,7 +186,7 @@ def serve(stdin: IO[bytes], stdout: IO[bytes], preload: Sequence[str]) -> None:
                     request = json.loads(line)
                     pid = _fork(
                         lambda r=request: run_in_child(
-                            r["target"], r["argv"], r["log"], r["env"], r["cwd"]
+                            r["target"], r["argv"], r["log"], r["env"], r["cwd"], r.get("name")
                         )
                     )
                     children[pid] = request["start"]
@@ -304,6 +321,7 @@ class Launcher:
         argv: list[str],
         log_path: Path,
         target: str = "tasks.worker:main",
+        name: str | None = None,
         timeout_s: float = 120.0,
     ) -> Child:
         """Fork a child running `target(argv)` (a role by default); output to `log_path`."""
@@ -315,6 +333,7 @@ class Launcher:
             request = {
                 "start": ident,
                 "target": target,
+                "name": name,
                 "argv": argv,
                 "log": str(log_path),
                 "env": dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -370,7 +389,7 @@ def start_role(argv: list[str], log_path: Path, fresh_command: list[str]) -> Chi
     launcher = warm_launcher()
     if launcher is not None:
         try:
-            return launcher.start(argv, log_path)
+            return launcher.start(argv, log_path, name=f"sluice-{argv[0]}" if argv else None)
         except (OSError, RuntimeError) as err:  # a broken launcher costs speed, not the run
             print(
                 f"sluice: role launcher unavailable ({err}); starting a fresh interpreter",
@@ -394,7 +413,7 @@ def start_forked_or_fresh(
     no other thread: the rollout role starts its server first thing.
     """
     if fork_available() and threading.active_count() == 1:
-        pid = _fork(lambda: run_in_child(target, list(argv), str(log_path)))
+        pid = _fork(lambda: run_in_child(target, list(argv), str(log_path), name="sluice-server"))
         return Child(pid)
     with open(log_path, "ab") as log_file:
         popen = subprocess.Popen(fresh_command, stdout=log_file, stderr=subprocess.STDOUT)

@@ -25,6 +25,7 @@ HERE = "tests.integration.test_launcher"
 def child_main(argv: list[str]) -> int:
     """What a forked child runs: report what it sees, then behave as argv says."""
     print(f"env={os.environ.get('SLUICE_TEST_VALUE')} cwd={os.getcwd()}")
+    print(f"comm={Path('/proc/self/comm').read_text().strip()}")
     print("to stderr", file=sys.stderr)
     atexit.register(lambda: print("atexit ran"))
     if argv[0] == "sleep":
@@ -46,9 +47,10 @@ def test_child_gets_callers_environment_cwd_and_log(launcher, tmp_path, monkeypa
     monkeypatch.setenv("SLUICE_TEST_VALUE", "late")
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "child.log"
-    child = launcher.start(["3"], log, target=f"{HERE}:child_main")
+    child = launcher.start(["3"], log, target=f"{HERE}:child_main", name="sluice-test")
     assert child.wait(30) == 3
     text = log.read_text()
+    assert "comm=sluice-test" in text  # told apart from the launcher in ps/top
     assert f"env=late cwd={tmp_path}" in text
     assert "to stderr" in text
     assert "atexit ran" in text
