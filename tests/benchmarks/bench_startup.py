@@ -70,7 +70,9 @@ def main() -> None:
             for mode in MODES:
                 order = LAUNCHERS if r % 2 == 0 else LAUNCHERS[::-1]
                 for launcher in order:
-                    name = f"startup-{r}-{'async' if mode.startswith('async') else 'sync'}-{launcher}"
+                    name = (
+                        f"startup-{r}-{'async' if mode.startswith('async') else 'sync'}-{launcher}"
+                    )
                     times = trial(base, mode, launcher, name, args.budget_s)
                     results.setdefault((mode, launcher), []).append(times)
 
@@ -83,7 +85,9 @@ def main() -> None:
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.mean(values):.1f} ± {spread:.1f}"
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; {args.rounds} rounds, budget {args.budget_s:g} s")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs; {args.rounds} rounds, budget {args.budget_s:g} s"
+    )
     print("seconds from the flow call to the commit of policy version 1 and 10 (mean ± std):")
     print("| mode | launcher | version 1 | version 10 |")
     print("|---|---|---|---|")
