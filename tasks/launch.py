@@ -102,6 +102,7 @@ def run_in_child(
         if env is not None:
             os.environ.clear()
             os.environ.update(env)
+            _follow_pythonpath(env.get("PYTHONPATH", ""))
         if cwd is not None:
             os.chdir(cwd)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -133,6 +134,19 @@ def run_in_child(
             sys.stdout.flush()
             sys.stderr.flush()
     return code
+
+
+def _follow_pythonpath(pythonpath: str) -> None:
+    """Put the caller's PYTHONPATH on sys.path, as a fresh interpreter would.
+
+    The launcher's own sys.path was fixed when it started; a caller may have extended
+    PYTHONPATH since (a plugin directory for a reward function, say).
+    """
+    entries = [entry for entry in pythonpath.split(os.pathsep) if entry]
+    for entry in reversed(entries):
+        if entry not in sys.path:
+            sys.path.insert(1, entry)
+    importlib.invalidate_caches()
 
 
 def _fork(run: Callable[[], int]) -> int:

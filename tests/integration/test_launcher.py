@@ -30,6 +30,10 @@ def child_main(argv: list[str]) -> int:
     atexit.register(lambda: print("atexit ran"))
     if argv[0] == "sleep":
         time.sleep(60)
+    if argv[0] == "import":
+        import late_plugin  # only on the PYTHONPATH the caller set after the launcher started
+
+        return int(late_plugin.VALUE)
     if argv[0] == "raise":
         raise ValueError("boom in the child")
     return int(argv[0])
@@ -107,3 +111,12 @@ def test_role_log_path_must_be_writable(launcher, tmp_path):
     child = launcher.start(["0"], missing, target=f"{HERE}:child_main")
     assert child.wait(30) == 1
     assert not Path(missing).exists()
+
+
+def test_child_follows_pythonpath_set_after_the_launcher_started(launcher, tmp_path, monkeypatch):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "late_plugin.py").write_text("VALUE = 7\n")
+    monkeypatch.setenv("PYTHONPATH", str(plugins))
+    child = launcher.start(["import"], tmp_path / "child.log", target=f"{HERE}:child_main")
+    assert child.wait(30) == 7
