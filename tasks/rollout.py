@@ -31,7 +31,9 @@ from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
 from infra.inference_client import InferenceClient
 from infra.registry import CommittedVersion
-from infra.streams import StreamReader, StreamWriter, table_from_rows
+from infra.streams.reader import StreamReader
+from infra.streams.schema import table_from_rows
+from infra.streams.writer import StreamWriter
 from tasks.common import (
     ROLLOUTS,
     RunControl,
