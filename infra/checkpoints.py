@@ -1,4 +1,4 @@
-"""Policy checkpoints on object storage: upload, verify, fetch, load.
+"""Policy checkpoints on object storage: save, verify, fetch into a local cache.
 
 A Sluice checkpoint is a plain Hugging Face model directory (config.json, safetensors
 shards, tokenizer files) stored under any fsspec URL (``file://``, a bare path, ``s3://``,
@@ -11,18 +11,16 @@ missing or whose files do not match it, and rollout workers never load a half-wr
 Departures from a plain ``save_pretrained``:
 
 - On local disk the whole directory is written into a hidden sibling and renamed into
-  place, so a crash leaves either nothing or a complete checkpoint at the final path.
-  Object stores have no directory rename; there the manifest-last rule alone marks
-  completeness.
+  place (``infra.storage.staging_directory``), so a crash leaves either nothing or a
+  complete checkpoint at the final path. Object stores have no directory rename; there
+  every file goes up all or nothing and the manifest-last rule marks completeness.
 - Checkpoints are immutable: saving different content to a URL that already holds a
   complete checkpoint is an error, while saving the same content again is a no-op (so a
   trainer that crashed after uploading can simply retry).
-- ``fetch_checkpoint`` caches by manifest digest, so a worker that sees the same version
-  twice (or two URLs with identical weights) downloads once.
-
-``load_policy`` accepts ANY local Hugging Face causal-LM directory, manifest or not: a
-user-provided model needs no Sluice bookkeeping. Only remote URLs go through the
-manifest-checked fetch.
+- ``fetch_checkpoint`` keeps one local copy per manifest digest in a cache folder shared
+  by all versions, so a worker that sees the same weights twice (the same version, or
+  two URLs with identical weights) downloads once; with ``keep_latest`` it prunes the
+  cache to the most recently fetched copies after each fetch.
 """
 
 from __future__ import annotations
@@ -33,24 +31,30 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, Any
 
-from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-if TYPE_CHECKING:  # torch/transformers are heavy: imported only inside load_policy
-    import torch
+from infra.storage import (
+    TEMP_PREFIX,
+    is_local,
+    open_filesystem,
+    put_atomic,
+    put_file,
+    replace_directory,
+    staging_directory,
+    url_of,
+)
 
 MANIFEST_NAME = "sluice_manifest.json"
 MANIFEST_FORMAT = "sluice-checkpoint"
 MANIFEST_FORMAT_VERSION = 1
 # 8 MiB reads keep hashing at disk speed without holding a whole shard in memory.
 _CHUNK_BYTES = 8 * 1024 * 1024
-_DTYPES = ("float32", "bfloat16", "float16", "auto")
+# Temp files of infra.storage, and those older Sluice versions named after the manifest.
+_TEMP_PREFIXES = (TEMP_PREFIX, f".{MANIFEST_NAME}.tmp-")
 
 
 class CheckpointError(ValueError):
@@ -115,51 +119,24 @@ class Manifest(BaseModel):
 # ---------------------------------------------------------------- URLs
 
 
-def checkpoint_url(root: str, run: str, policy_version: int) -> str:
-    """Canonical location of policy version `policy_version` of `run` under storage `root`.
-
-    Layout: ``{root}/{run}/checkpoints/v{policy_version:06d}`` (zero-padded so a plain
-    listing sorts in version order).
-    """
-    if not root:
-        raise CheckpointError("checkpoint root URL is empty")
-    if not run or "/" in run or run in (".", ".."):
-        raise CheckpointError(f"run name {run!r} must be a non-empty single path component")
-    if (
-        isinstance(policy_version, bool)
-        or not isinstance(policy_version, int)
-        or policy_version < 0
-    ):
-        raise CheckpointError(f"policy_version must be an int >= 0, got {policy_version!r}")
-    return f"{root.rstrip('/')}/{run}/checkpoints/v{policy_version:06d}"
-
-
 def _open_fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint URL must be a non-empty string, got {url!r}")
     try:
-        fs, path = url_to_fs(url, **dict(storage_options or {}))
+        fs, path = open_filesystem(url, storage_options)
     except (ValueError, ImportError, OSError) as exc:
         raise CheckpointError(f"cannot open storage for checkpoint {url!r}: {exc}") from exc
     return fs, path.rstrip("/") or path
 
 
-def is_local_url(url: str) -> bool:
-    """True when `url` (bare path, ``file://`` or ``local://``) names the local filesystem."""
-    fs, _ = _open_fs(url, None)
-    return isinstance(fs, LocalFileSystem)
-
-
-def _canonical_url(fs: Any, path: str) -> str:
-    # An absolute, protocol-qualified URL: the registry stores it, and readers in other
-    # processes (other working directories, other machines) must resolve it the same way.
-    return str(fs.unstrip_protocol(path))
-
-
 def canonical_url(url: str, storage_options: Mapping[str, Any] | None = None) -> str:
-    """`url` made absolute and protocol-qualified (``rel/dir`` -> ``file:///cwd/rel/dir``)."""
+    """`url` made absolute and protocol-qualified (``rel/dir`` -> ``file:///cwd/rel/dir``).
+
+    The registry stores it, and readers in other processes (other working directories,
+    other machines) must resolve it the same way.
+    """
     fs, path = _open_fs(url, storage_options)
-    return _canonical_url(fs, path)
+    return url_of(fs, path)
 
 
 @contextlib.contextmanager
@@ -186,7 +163,7 @@ def _local_files(local_dir: Path) -> list[tuple[str, Path]]:
             full = Path(dirpath) / filename
             rel = full.relative_to(local_dir).as_posix()
             # Skip the manifest and any temp file an interrupted in-place seal left behind.
-            if rel == MANIFEST_NAME or filename.startswith(f".{MANIFEST_NAME}.tmp-"):
+            if rel == MANIFEST_NAME or filename.startswith(_TEMP_PREFIXES):
                 continue
             if not full.is_file():
                 continue
@@ -194,24 +171,39 @@ def _local_files(local_dir: Path) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
-def _hash_file(path: Path, name: str) -> ManifestEntry:
+def _hash_stream(source: IO[bytes], sink: IO[bytes] | None = None) -> tuple[int, str]:
+    """(bytes, hex sha256) of what is left in `source`, copied to `sink` on the way."""
     digest = hashlib.sha256()
     size = 0
+    while chunk := source.read(_CHUNK_BYTES):
+        if sink is not None:
+            sink.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _hash_file(path: Path, name: str) -> ManifestEntry:
     with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return ManifestEntry(name=name, size_bytes=size, sha256=digest.hexdigest())
+        size, sha256 = _hash_stream(handle)
+    return ManifestEntry(name=name, size_bytes=size, sha256=sha256)
+
+
+def _source_files(local_dir: Path) -> list[tuple[str, Path]]:
+    if not local_dir.is_dir():
+        raise CheckpointError(f"checkpoint source {str(local_dir)!r} is not a directory")
+    files = _local_files(local_dir)
+    if not files:
+        raise CheckpointError(f"checkpoint source {str(local_dir)!r} holds no files")
+    return files
 
 
 def build_manifest(local_dir: str | Path, metadata: Mapping[str, Any] | None = None) -> Manifest:
     """Hash every file of a local checkpoint directory into a Manifest (nothing is written)."""
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint source {str(root)!r} is not a directory")
-    files = _local_files(root)
-    if not files:
-        raise CheckpointError(f"checkpoint source {str(root)!r} holds no files")
+    return _manifest_of(_source_files(Path(local_dir)), metadata)
+
+
+def _manifest_of(files: list[tuple[str, Path]], metadata: Mapping[str, Any] | None) -> Manifest:
     entries = [_hash_file(full, rel) for rel, full in files]
     return Manifest(
         created_at_unix_s=time.time(),
@@ -262,14 +254,6 @@ def read_manifest(url: str, storage_options: Mapping[str, Any] | None = None) ->
 # ---------------------------------------------------------------- verify
 
 
-def _sha256_remote(fs: Any, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def verify_checkpoint(
     url: str,
     storage_options: Mapping[str, Any] | None = None,
@@ -300,92 +284,50 @@ def verify_checkpoint(
                     f"checkpoint {url!r} is incomplete: {entry.name} has {size} bytes, "
                     f"manifest says {entry.size_bytes}"
                 )
-            if check_hashes and _sha256_remote(fs, file_path) != entry.sha256:
+            if not check_hashes:
+                continue
+            with fs.open(file_path, "rb") as handle:
+                _size, sha256 = _hash_stream(handle)
+            if sha256 != entry.sha256:
                 raise CheckpointIncomplete(
                     f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
                 )
     return manifest
 
 
-def _existing_manifest(url: str, storage_options: Mapping[str, Any] | None) -> Manifest | None:
-    try:
-        return read_manifest(url, storage_options)
-    except CheckpointIncomplete:
-        return None
-
-
 # ---------------------------------------------------------------- save
 
 
-def _fsync_dir(path: Path) -> None:
-    # The rename that publishes a checkpoint is only durable once its directory entry is.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
-def _write_local_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _copy_hashing(source: Path, sink: Any) -> tuple[int, str]:
-    """Stream `source` into the open binary `sink`; return (bytes, sha256) of what was sent."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(source, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            sink.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _check_unchanged(entry: ManifestEntry, sent: tuple[int, str], source: Path) -> None:
-    if sent != (entry.size_bytes, entry.sha256):
-        raise CheckpointError(
-            f"{str(source)!r} changed while it was being uploaded; save the checkpoint again "
-            "once the writer has finished"
-        )
-
-
-def _save_local(
-    source: Path, target: Path, manifest: Manifest, files: list[tuple[str, Path]]
+def _put_files(
+    fs: Any, root: str, files: list[tuple[str, Path]], stamps: list[tuple[int, int]]
 ) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        staging.mkdir()
-        for entry, (_rel, full) in zip(manifest.files, files, strict=True):
-            dest = staging / entry.name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with open(dest, "wb") as sink:
-                sent = _copy_hashing(full, sink)
-                sink.flush()
-                os.fsync(sink.fileno())
-            _check_unchanged(entry, sent, full)
-        _write_local_atomic(staging / MANIFEST_NAME, manifest.to_json().encode())
-        if target.exists():
-            # Leftovers without a valid manifest, or a damaged copy of these same weights:
-            # move them aside so the rename can land.
-            trash = target.parent / f".{target.name}.stale-{uuid.uuid4().hex[:8]}"
-            os.rename(target, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(staging, target)
-        _fsync_dir(target.parent)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    """Upload every file under `root`, each all or nothing, then check none changed.
+
+    `stamps` are (size, mtime) taken before the files were hashed: a file written to
+    while it was hashed or uploaded would not match its manifest entry.
+    """
+    for rel, full in files:
+        put_file(fs, full, f"{root}/{rel}")
+    for (_rel, full), stamp in zip(files, stamps, strict=True):
+        if _stamp(full) != stamp:
+            raise CheckpointError(
+                f"{str(full)!r} changed while it was being uploaded; save the checkpoint again "
+                "once the writer has finished"
+            )
 
 
-def _save_remote(fs: Any, path: str, manifest: Manifest, files: list[tuple[str, Path]]) -> None:
+def _save_remote(
+    fs: Any,
+    path: str,
+    manifest: Manifest,
+    files: list[tuple[str, Path]],
+    stamps: list[tuple[int, int]],
+) -> None:
     manifest_path = f"{path}/{MANIFEST_NAME}"
     # A manifest here belongs to a damaged copy of the same weights: withdraw it first so no
     # reader trusts the files while they are being replaced.
@@ -396,12 +338,9 @@ def _save_remote(fs: Any, path: str, manifest: Manifest, files: list[tuple[str, 
     for leftover in fs.find(path) if fs.exists(path) else []:
         if leftover not in wanted:
             fs.rm_file(leftover)
-    for entry, (_rel, full) in zip(manifest.files, files, strict=True):
-        with fs.open(f"{path}/{entry.name}", "wb") as sink:
-            sent = _copy_hashing(full, sink)
-        _check_unchanged(entry, sent, full)
+    _put_files(fs, path, files, stamps)
     # The manifest goes last, in a single PUT: until it lands, readers see "incomplete".
-    fs.pipe_file(manifest_path, manifest.to_json().encode())
+    put_atomic(fs, manifest_path, manifest.to_json().encode())
 
 
 def save_checkpoint(
@@ -424,10 +363,14 @@ def save_checkpoint(
     """
     source = Path(local_dir)
     fs, path = _open_fs(url, storage_options)
-    canonical = _canonical_url(fs, path)
-    manifest = build_manifest(source, metadata)
-    files = _local_files(source)
-    existing = _existing_manifest(url, storage_options)
+    canonical = url_of(fs, path)
+    files = _source_files(source)
+    stamps = [_stamp(full) for _rel, full in files]
+    manifest = _manifest_of(files, metadata)
+    try:
+        existing: Manifest | None = read_manifest(url, storage_options)
+    except CheckpointIncomplete:
+        existing = None
     if existing is not None:
         if existing.digest != manifest.digest:
             raise CheckpointError(
@@ -440,16 +383,19 @@ def save_checkpoint(
             return canonical
         except CheckpointIncomplete:
             pass  # same manifest but damaged files: upload again below
+    manifest_bytes = manifest.to_json().encode()
     with _storage_errors(canonical, "write"):
-        if isinstance(fs, LocalFileSystem):
-            target = Path(path)
-            if target.resolve() == source.resolve():
-                _write_local_atomic(target / MANIFEST_NAME, manifest.to_json().encode())
-                _fsync_dir(target)
-            else:
-                _save_local(source, target, manifest, files)
+        if not is_local(fs):
+            _save_remote(fs, path, manifest, files, stamps)
+        elif Path(path).resolve() == source.resolve():
+            put_atomic(fs, f"{path}/{MANIFEST_NAME}", manifest_bytes)
         else:
-            _save_remote(fs, path, manifest, files)
+            with staging_directory(Path(path)) as staging:
+                _put_files(fs, str(staging), files, stamps)
+                put_atomic(fs, f"{staging}/{MANIFEST_NAME}", manifest_bytes)
+                # Leftovers without a valid manifest, or a damaged copy of these same
+                # weights, are moved aside so the rename can land.
+                replace_directory(staging, Path(path))
     return canonical
 
 
@@ -460,14 +406,9 @@ def _download_verified(fs: Any, path: str, url: str, manifest: Manifest, staging
     for entry in manifest.files:
         dest = staging / entry.name
         dest.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        size = 0
         try:
             with fs.open(f"{path}/{entry.name}", "rb") as source, open(dest, "wb") as sink:
-                while chunk := source.read(_CHUNK_BYTES):
-                    sink.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
+                size, sha256 = _hash_stream(source, sink)
         except FileNotFoundError:
             raise CheckpointIncomplete(
                 f"checkpoint {url!r} is incomplete: {entry.name} is missing"
@@ -477,55 +418,54 @@ def _download_verified(fs: Any, path: str, url: str, manifest: Manifest, staging
                 f"checkpoint {url!r} is incomplete: {entry.name} has {size} bytes, "
                 f"manifest says {entry.size_bytes}"
             )
-        if digest.hexdigest() != entry.sha256:
+        if sha256 != entry.sha256:
             raise CheckpointIncomplete(
                 f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
             )
-    _write_local_atomic(staging / MANIFEST_NAME, manifest.to_json().encode())
+    # Staged: the directory becomes visible, fsynced, only once this is written too.
+    (staging / MANIFEST_NAME).write_bytes(manifest.to_json().encode())
 
 
 def fetch_checkpoint(
     url: str,
-    local_dir: str | Path,
+    cache_dir: str | Path,
     storage_options: Mapping[str, Any] | None = None,
+    *,
+    keep_latest: int | None = None,
 ) -> Path:
     """A verified local copy of the checkpoint at `url`; return its directory.
 
-    A local URL is checked (manifest present, sizes match) and returned as is: no copy.
-    A remote checkpoint is downloaded into ``{local_dir}/{manifest digest[:24]}`` with
-    every sha256 checked while streaming, then renamed into place; if that directory is
-    already there the download is skipped. `local_dir` is therefore a cache shared by
-    all versions (see `prune_checkpoint_cache`).
+    A local URL is checked (manifest present, sizes match) and returned as is: no copy,
+    and the cache is not touched. A remote checkpoint is downloaded into
+    ``{cache_dir}/{manifest digest[:24]}`` with every sha256 checked while streaming, then
+    renamed into place; if that directory is already there the download is skipped.
+    `cache_dir` is therefore one cache for every version of a run: pass the same folder
+    each time. With `keep_latest` (>= 1) the cache is then pruned to that many most
+    recently fetched copies (`prune_checkpoint_cache`); the copy returned is never pruned.
     """
+    if keep_latest is not None and keep_latest < 1:
+        raise CheckpointError(f"keep_latest must be >= 1 when fetching, got {keep_latest}")
     fs, path = _open_fs(url, storage_options)
-    if isinstance(fs, LocalFileSystem):
+    if is_local(fs):
         verify_checkpoint(url, check_hashes=False)
         return Path(path)
     manifest = read_manifest(url, storage_options)
-    cache_root = Path(local_dir)
+    cache_root = Path(cache_dir)
     target = cache_root / manifest.digest[:24]
-    if _cached_copy_is_valid(target, manifest):
-        os.utime(target)  # mark as recently used for prune_checkpoint_cache
-        return target
-    canonical = _canonical_url(fs, path)
-    cache_root.mkdir(parents=True, exist_ok=True)
-    staging = cache_root / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        staging.mkdir()
-        with _storage_errors(canonical, "download"):
-            _download_verified(fs, path, canonical, manifest, staging)
-        if target.exists():
-            # A concurrent fetcher won the race or an old copy is damaged: keep a valid one.
-            if _cached_copy_is_valid(target, manifest):
-                return target
-            trash = cache_root / f".{target.name}.stale-{uuid.uuid4().hex[:8]}"
-            os.rename(target, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(staging, target)
-        _fsync_dir(cache_root)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    if not _cached_copy_is_valid(target, manifest):
+        canonical = url_of(fs, path)
+        with staging_directory(target) as staging:
+            with _storage_errors(canonical, "download"):
+                _download_verified(fs, path, canonical, manifest, staging)
+            # A concurrent fetcher may have won the race: keep its copy when it is valid.
+            if not _cached_copy_is_valid(target, manifest):
+                replace_directory(staging, target)
+    # Most recently used: the last copy pruning removes (ns from the clock, not the
+    # filesystem's coarser one, so fetches in quick succession stay ordered).
+    now_ns = time.time_ns()
+    os.utime(target, ns=(now_ns, now_ns))
+    if keep_latest is not None:
+        _prune(cache_root, keep_latest, newest=target)
     return target
 
 
@@ -553,7 +493,10 @@ def prune_checkpoint_cache(local_dir: str | Path, keep_latest: int) -> list[Path
     """
     if keep_latest < 0:
         raise CheckpointError(f"keep_latest must be >= 0, got {keep_latest}")
-    root = Path(local_dir)
+    return _prune(Path(local_dir), keep_latest, newest=None)
+
+
+def _prune(root: Path, keep_latest: int, newest: Path | None) -> list[Path]:
     if not root.is_dir():
         return []
     copies = [
@@ -561,58 +504,9 @@ def prune_checkpoint_cache(local_dir: str | Path, keep_latest: int) -> list[Path
         for child in root.iterdir()
         if child.is_dir() and not child.name.startswith(".") and (child / MANIFEST_NAME).is_file()
     ]
-    copies.sort(key=lambda child: child.stat().st_mtime, reverse=True)
+    # `newest` (the copy a fetch is about to return) first, whatever the clock says.
+    copies.sort(key=lambda child: (child == newest, child.stat().st_mtime_ns), reverse=True)
     removed = copies[keep_latest:]
     for child in removed:
         shutil.rmtree(child, ignore_errors=True)
     return removed
-
-
-# ---------------------------------------------------------------- load
-
-
-def load_policy(
-    path_or_url: str | Path,
-    device: str = "cpu",
-    dtype: str | torch.dtype = "float32",
-    *,
-    cache_dir: str | Path = ".sluice/checkpoint_cache",
-    storage_options: Mapping[str, Any] | None = None,
-) -> tuple[Any, Any]:
-    """Load (model, tokenizer) from a Hugging Face causal-LM directory or checkpoint URL.
-
-    A local directory (bare path or ``file://``) is loaded directly and needs no Sluice
-    manifest, so any user-provided model works. A remote URL is first fetched into
-    `cache_dir` and verified against its manifest. `dtype` is 'float32', 'bfloat16',
-    'float16', 'auto' (as saved) or a torch.dtype. The model is returned in eval mode.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-        torch_dtype: Any = dtype if dtype == "auto" else getattr(torch, dtype)
-    else:
-        torch_dtype = dtype
-    url = str(path_or_url)
-    fs, path = _open_fs(url, storage_options)
-    if isinstance(fs, LocalFileSystem):
-        model_dir = Path(path)
-    else:
-        model_dir = fetch_checkpoint(url, cache_dir, storage_options)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(
-            f"{str(model_dir)!r} is not a Hugging Face model directory (no config.json)"
-        )
-    try:
-        # Typed as Any: transformers' stubs for .to() reject a device string.
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"cannot load a causal LM from {str(model_dir)!r}: {exc}") from exc
-    model.to(device)
-    model.eval()
-    return model, tokenizer

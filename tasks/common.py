@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from infra.config import RunConfig
+from infra.storage import open_filesystem, put_atomic
 
 if TYPE_CHECKING:
     from infra.registry import CheckpointRegistry
@@ -95,32 +95,20 @@ def run_registry(config: RunConfig, run_id: str) -> CheckpointRegistry:
 
 
 def filesystem(config: RunConfig, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    options = dict(config.storage.options)
-    if url.startswith("s3://"):
-        options.setdefault("use_listings_cache", False)
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    return fs, path
+    """The filesystem and path of a run file, opened with the run's storage options."""
+    return open_filesystem(url, config.storage.options)
 
 
 def write_json(config: RunConfig, url: str, payload: dict[str, Any]) -> None:
     """Whole-object write: a reader sees the old document or the new one, never half."""
     fs, path = filesystem(config, url)
-    data = json.dumps(payload, default=str).encode()
-    parent = path.rsplit("/", 1)[0]
-    fs.makedirs(parent, exist_ok=True)
-    if isinstance(fs, LocalFileSystem):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    else:
-        fs.pipe(path, data)
+    put_atomic(fs, path, json.dumps(payload, default=str).encode())
 
 
 def read_json(config: RunConfig, url: str) -> dict[str, Any] | None:
+    """The JSON document at `url`, None when it is missing or not (yet) valid JSON."""
     fs, path = filesystem(config, url)
     try:
-        fs.invalidate_cache()
         return json.loads(fs.cat_file(path))
     except (FileNotFoundError, json.JSONDecodeError):
         return None

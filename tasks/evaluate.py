@@ -145,8 +145,9 @@ def evaluate_checkpoint(
     """
     local = fetch_checkpoint(
         checkpoint_uri,
-        eval_weights_dir(config, run_id) / f"v{policy_version:06d}",
+        eval_weights_dir(config, run_id),
         storage_options=config.storage.options,
+        keep_latest=2,
     )
     return evaluate_model_dir(config, local, policy_version)
 

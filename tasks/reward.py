@@ -21,7 +21,9 @@ import pyarrow as pa
 
 from engines.verifiers import load_verifier
 from infra.config import RunConfig
-from infra.streams import CorruptShardError, StreamReader, StreamWriter
+from infra.streams.errors import CorruptShardError
+from infra.streams.reader import StreamReader
+from infra.streams.writer import StreamWriter
 from tasks.common import ROLLOUTS, SCORED, RunControl, StatusReporter, run_paths, run_registry
 from tasks.problem import PromptSource, load_tokenizer
 

@@ -31,7 +31,9 @@ from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
 from infra.inference_client import InferenceClient
 from infra.registry import CommittedVersion
-from infra.streams import StreamReader, StreamWriter, table_from_rows
+from infra.streams.reader import StreamReader
+from infra.streams.schema import table_from_rows
+from infra.streams.writer import StreamWriter
 from tasks.common import (
     ROLLOUTS,
     RunControl,
@@ -128,10 +130,12 @@ class Rollout:
         raise TimeoutError("no committed policy version appeared in the registry")
 
     def fetch(self, version: CommittedVersion) -> Path:
+        # One digest-keyed cache for every version; keep the served weights and the next.
         return fetch_checkpoint(
             version.checkpoint_uri,
-            self.cache_dir / f"v{version.policy_version:06d}",
+            self.cache_dir,
             storage_options=self.config.storage.options,
+            keep_latest=2,
         )
 
     async def maybe_update_weights(self, client: InferenceClient) -> None:

@@ -40,7 +40,9 @@ from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig
-from infra.streams import CorruptShardError, ShardRef, StreamReader, shard_key_tag
+from infra.streams.errors import CorruptShardError
+from infra.streams.names import ShardRef, shard_key_tag
+from infra.streams.reader import StreamReader
 from infra.tracking import log_metrics
 from tasks.common import (
     ROLLOUTS,

@@ -7,7 +7,7 @@ import pytest
 
 from infra.config import load_config
 from infra.registry import CheckpointRegistry
-from infra.streams import StreamReader
+from infra.streams.reader import StreamReader
 from infra.tracking import get_metric_history
 from tasks.common import registered_model_name
 from tests.flows.conftest import tiny_run_overrides

@@ -12,7 +12,7 @@ import pytest
 
 from infra.config import load_config
 from infra.registry import CheckpointRegistry
-from infra.streams import StreamReader
+from infra.streams.reader import StreamReader
 from infra.tracking import start_or_resume_run
 from tasks.common import group_index_of, read_statuses, registered_model_name, run_paths
 from tasks.prepare import ensure_version_zero

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from infra.streams import StreamReader, StreamStorageError, StreamWriter
+from infra.streams.errors import StreamStorageError
+from infra.streams.reader import StreamReader
+from infra.streams.writer import StreamWriter
 from tests.integration.conftest import S3Endpoint
 from tests.unit.test_streams import (
     RUN,

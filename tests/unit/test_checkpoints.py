@@ -22,9 +22,7 @@ from infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointIncomplete,
-    checkpoint_url,
     fetch_checkpoint,
-    load_policy,
     prune_checkpoint_cache,
     save_checkpoint,
     verify_checkpoint,
@@ -195,16 +193,16 @@ def test_sealing_a_directory_in_place_only_adds_the_manifest(hf_dir):
 def test_crash_during_local_save_leaves_nothing_at_the_target(hf_dir, tmp_path, monkeypatch):
     import infra.checkpoints as checkpoints
 
-    real_copy = checkpoints._copy_hashing
+    real_put = checkpoints.put_file
     calls = {"n": 0}
 
-    def failing_copy(source, sink):
+    def failing_put(fs, source, path):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError("disk full")
-        return real_copy(source, sink)
+        return real_put(fs, source, path)
 
-    monkeypatch.setattr(checkpoints, "_copy_hashing", failing_copy)
+    monkeypatch.setattr(checkpoints, "put_file", failing_put)
     with pytest.raises(CheckpointError, match="cannot write checkpoint at .*disk full"):
         save_checkpoint(hf_dir, str(tmp_path / "out" / "ck"))
     assert list((tmp_path / "out").iterdir()) == []  # no partial target, no staging dir
@@ -218,17 +216,6 @@ def test_bad_sources_give_one_clear_error(tmp_path):
         save_checkpoint(tmp_path / "empty", str(tmp_path / "ck"))
     with pytest.raises(CheckpointError, match="non-empty string"):
         verify_checkpoint("")
-
-
-def test_checkpoint_url_layout_is_zero_padded_and_validated():
-    assert (
-        checkpoint_url("s3://bucket/root/", "run-1", 7)
-        == "s3://bucket/root/run-1/checkpoints/v000007"
-    )
-    with pytest.raises(CheckpointError, match="policy_version must be an int >= 0"):
-        checkpoint_url("file:///x", "run", -1)
-    with pytest.raises(CheckpointError, match="single path component"):
-        checkpoint_url("file:///x", "a/b", 1)
 
 
 # ---------------------------------------------------------------- object storage
@@ -325,6 +312,47 @@ def test_prune_keeps_the_most_recent_fetched_copies(hf_dir, tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == sorted([copies[2].name, "unrelated"])
 
 
+def test_fetches_into_one_cache_reuse_a_digest_and_keep_the_newest_copies(
+    hf_dir, tmp_path, monkeypatch
+):
+    import infra.checkpoints as checkpoints
+
+    downloads = []
+    real_download = checkpoints._download_verified
+
+    def counting_download(fs, path, url, manifest, staging):
+        downloads.append(url)
+        return real_download(fs, path, url, manifest, staging)
+
+    monkeypatch.setattr(checkpoints, "_download_verified", counting_download)
+    cache = tmp_path / "cache"
+    versions = []
+    for i in range(3):
+        (hf_dir / "generation_config.json").write_text(json.dumps({"i": i}))
+        versions.append(save_checkpoint(hf_dir, _memory_url()))
+    first = fetch_checkpoint(versions[0], cache, keep_latest=2)
+    assert len(downloads) == 1
+
+    # A second fetch of the same digest, from another URL (a later version with the same
+    # weights), is a cache hit: same directory, nothing downloaded.
+    (hf_dir / "generation_config.json").write_text(json.dumps({"i": 0}))
+    same_weights = save_checkpoint(hf_dir, _memory_url())
+    assert fetch_checkpoint(same_weights, cache, keep_latest=2) == first
+    assert len(downloads) == 1
+
+    # Every fetch prunes the cache to the newest keep_latest copies.
+    second = fetch_checkpoint(versions[1], cache, keep_latest=2)
+    third = fetch_checkpoint(versions[2], cache, keep_latest=2)
+    assert len(downloads) == 3
+    assert sorted(p.name for p in cache.iterdir()) == sorted([second.name, third.name])
+    assert not first.exists()
+    # The newest copy is the one just fetched, even when it was already cached.
+    assert fetch_checkpoint(versions[1], cache, keep_latest=1) == second
+    assert [p.name for p in cache.iterdir()] == [second.name]
+    with pytest.raises(CheckpointError, match="keep_latest must be >= 1"):
+        fetch_checkpoint(versions[1], cache, keep_latest=0)
+
+
 def test_random_trees_round_trip_and_any_truncation_is_detected(tmp_path):
     rng = random.Random(1234)
     for trial in range(6):
@@ -345,43 +373,3 @@ def test_random_trees_round_trip_and_any_truncation_is_detected(tmp_path):
             fs.pipe_file(f"{path}/{victim}", data[: rng.randrange(len(data))])
             with pytest.raises(CheckpointIncomplete, match=victim):
                 verify_checkpoint(saved, check_hashes=False)
-
-
-# ---------------------------------------------------------------- load_policy
-
-
-def _logits(model, token_ids):
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits
-
-
-def test_load_policy_round_trip_reproduces_logits_exactly(tiny_policy, tmp_path):
-    import torch
-
-    directory, original = tiny_policy
-    token_ids = [2, 5, 6, 14, 7, 15]
-    expected = _logits(original, token_ids)
-
-    local_url = save_checkpoint(directory, str(tmp_path / "ck"))
-    remote_url = save_checkpoint(directory, _memory_url())
-    for source in (directory, local_url, remote_url):  # plain dir, file://, fetched memory://
-        model, tokenizer = load_policy(source, cache_dir=tmp_path / "cache")
-        assert not model.training
-        assert model.dtype == torch.float32
-        assert torch.equal(_logits(model, token_ids), expected)
-        assert tokenizer("12+3")["input_ids"] == [5, 6, 14, 7]
-
-
-def test_load_policy_gives_clear_errors(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist"):
-        load_policy(tmp_path / "missing")
-    (tmp_path / "notamodel").mkdir()
-    (tmp_path / "notamodel" / "weights.bin").write_bytes(b"x")
-    with pytest.raises(
-        CheckpointError, match=r"not a Hugging Face model directory \(no config.json\)"
-    ):
-        load_policy(tmp_path / "notamodel")
-    with pytest.raises(CheckpointError, match="dtype 'float8' is not one of"):
-        load_policy(tmp_path / "notamodel", dtype="float8")

@@ -17,14 +17,11 @@ import pyarrow as pa
 import pytest
 
 from engines.staleness import StalenessGate
-from infra.streams import (
-    CorruptShardError,
-    ShardRef,
-    StreamReader,
-    StreamWriter,
-    shard_key_tag,
-    table_from_rows,
-)
+from infra.streams.errors import CorruptShardError
+from infra.streams.names import ShardRef, shard_key_tag
+from infra.streams.reader import StreamReader
+from infra.streams.schema import table_from_rows
+from infra.streams.writer import StreamWriter
 from tasks.common import group_index_of, group_key
 from tasks.train import GroupBuffer, lost_groups
 

@@ -21,24 +21,26 @@ import pyarrow as pa
 import pytest
 from fsspec.core import url_to_fs
 
-from infra.streams import (
-    SCHEMA_VERSION_KEY,
-    STREAM_KEY,
-    TEMP_PREFIX,
+from infra.storage import TEMP_PREFIX
+from infra.streams.errors import (
     CorruptShardError,
-    FlatList,
     SchemaError,
-    ShardRef,
     StreamConfigError,
     StreamError,
-    StreamReader,
     StreamStorageError,
-    StreamWriter,
+)
+from infra.streams.names import ShardRef
+from infra.streams.reader import StreamReader
+from infra.streams.schema import (
+    SCHEMA_VERSION_KEY,
+    STREAM_KEY,
+    FlatList,
     flat_list_column,
     table_from_arrays,
     table_from_rows,
     validate_table,
 )
+from infra.streams.writer import StreamWriter
 
 RUN = "run-1"
 STREAM = "rollouts"

@@ -1,0 +1,240 @@
+"""Object storage for every Sluice file: open a URL, put bytes atomically, publish directories.
+
+Streams, checkpoints and the run's small control and status documents all go through
+here, so they share one notion of "written": a reader sees the old object or the new one,
+never a part, and on a local disk the new one survives a power cut once the call returns.
+
+- Local disks: bytes go to a hidden temp file (``TEMP_PREFIX``) in the target directory,
+  which is fsynced, renamed into place, and then the directory itself is fsynced, so the
+  rename is durable too. A directory (a checkpoint) is built in a hidden sibling and
+  published with one rename (``staging_directory`` then ``replace_directory``).
+- Object stores: one PUT per object (``pipe_file``). Streaming writes through
+  ``fs.open(..., "wb")`` are never used: an exception inside such a block still completes
+  a partial object. Large files go through s3fs's ``put_file``, which sends one PUT or a
+  multipart upload that is completed only at the end and aborted on error.
+- Listings: s3fs caches directory listings by default, which would hide new objects from
+  a poller for good; ``open_filesystem`` turns that cache off for S3 and ``list_names`` /
+  ``exists`` drop whatever a filesystem cached before asking.
+
+Functions raise the backend's own exceptions (``OSError``, ``FileNotFoundError``, ...);
+callers turn them into their own errors, naming their URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+TEMP_PREFIX = ".tmp-"
+"""Start of every temp file name; the leading dot keeps listings, human or code, from
+mistaking a temp file for data."""
+
+# Backends whose put_file never leaves a partial object (one PUT, or an aborted multipart).
+_ATOMIC_PUT_FILE_PROTOCOLS = frozenset({"s3", "s3a"})
+_COPY_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def open_filesystem(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem behind ``url`` and the path inside it (bare paths are local files).
+
+    For S3 the listings cache is off unless ``storage_options`` says otherwise: a poller
+    must see objects committed after its first listing.
+    """
+    options = dict(storage_options or {})
+    if fsspec.utils.get_protocol(url) in ("s3", "s3a"):
+        options.setdefault("use_listings_cache", False)
+    fs, path = url_to_fs(url, **options)
+    return fs, path
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local filesystem (paths are OS paths, rename is atomic)."""
+    return isinstance(fs, LocalFileSystem)
+
+
+def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """Every protocol name ``fs`` answers to (``("s3", "s3a")``, ``("memory",)``, ...)."""
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` as an absolute, protocol-qualified URL (``file:///abs``, ``s3://b/k``)."""
+    return str(fs.unstrip_protocol(path))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Make ``data`` visible at ``path`` all at once, or not at all, replacing any object.
+
+    Local disks: temp file, fsync, rename, fsync of the directory (parents are created).
+    Elsewhere: one PUT.
+    """
+    if is_local(fs):
+        _write_local(path, lambda handle: handle.write(data))
+    else:
+        fs.pipe_file(path, data)
+
+
+def put_file(fs: fsspec.AbstractFileSystem, source: str | Path, path: str) -> None:
+    """Copy the local file ``source`` to ``path`` with the guarantees of ``put_atomic``.
+
+    Unlike ``put_atomic`` the file is not read into memory on local disks and on S3
+    (multi-GB weights); other object stores get one PUT of the whole file.
+    """
+    if is_local(fs):
+        with open(source, "rb") as reader:
+            _write_local(path, lambda handle: shutil.copyfileobj(reader, handle, _COPY_CHUNK_BYTES))
+    elif _ATOMIC_PUT_FILE_PROTOCOLS.intersection(protocols(fs)):
+        fs.put_file(os.fspath(source), path)
+    else:
+        fs.pipe_file(path, Path(source).read_bytes())
+
+
+def _write_local(path: str, write: Callable[[IO[bytes]], object]) -> None:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}.part")
+    try:
+        with open(temp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            # Durable before visible: a power cut must not expose an empty file.
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make renames and new entries in a local ``directory`` durable (best effort).
+
+    Not every platform can open a directory; there the call does nothing.
+    """
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def sweep_temps(directory: str, older_than_s: float) -> list[str]:
+    """Delete temp files older than ``older_than_s`` in a local ``directory``; return them.
+
+    Only writers that died mid-put leave temp files, and none is ever renamed later; the
+    age guard spares the temp of a live writer sharing the directory.
+    """
+    cutoff = time.time() - older_than_s
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if entry.name.startswith(TEMP_PREFIX):
+            with contextlib.suppress(OSError):
+                if entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
+def rename(fs: fsspec.AbstractFileSystem, source: str, destination: str) -> None:
+    """Move an object (one rename on local disks, copy then delete on object stores)."""
+    if is_local(fs):
+        os.makedirs(os.path.dirname(destination) or ".", exist_ok=True)
+        os.replace(source, destination)
+    else:
+        fs.mv(source, destination)
+
+
+# --------------------------------------------------------------------------- directories
+
+
+@contextlib.contextmanager
+def staging_directory(target: Path) -> Iterator[Path]:
+    """A new, empty, hidden sibling of the local directory ``target`` to build it in.
+
+    Publish it with ``replace_directory``; whatever is left of it on exit (an error, or
+    a caller that decided not to publish) is deleted.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Publish the local directory ``staging`` as ``target`` with one rename, durably.
+
+    Every file and directory under ``staging`` is fsynced first, so a power cut never
+    exposes a complete-looking directory with empty files. Whatever ``target`` held
+    before (leftovers of a crash, a damaged copy) is moved aside and deleted.
+    """
+    for dirpath, _dirnames, filenames in os.walk(staging):
+        for filename in filenames:
+            _fsync_file(os.path.join(dirpath, filename))
+        fsync_directory(dirpath)
+    if target.exists():
+        trash = target.parent / f".{target.name}.stale-{uuid.uuid4().hex[:8]}"
+        os.rename(target, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(staging, target)
+    fsync_directory(target.parent)
+
+
+def _fsync_file(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def list_names(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
+    """Fresh listing of the base names in ``directory``; a missing directory is empty."""
+    if is_local(fs):  # no per-entry stat: ~5x faster than fs.ls on a long stream
+        try:
+            return os.listdir(directory)
+        except FileNotFoundError:
+            return []
+    fs.invalidate_cache(directory)
+    try:
+        paths = fs.ls(directory, detail=False)
+    except FileNotFoundError:
+        return []
+    return [str(path).rstrip("/").rsplit("/", 1)[-1] for path in paths]
+
+
+def exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether ``path`` exists now (a cached listing is dropped first)."""
+    fs.invalidate_cache(path)
+    return bool(fs.exists(path))
