@@ -6,7 +6,7 @@ identical float64 values of `loss/policy_loss`, `train/grad_norm` and `reward/me
 every step, and end on byte-identical weights. What makes that hold:
 
 - prompts are drawn from ``default_rng([seed, group index])``; every response samples
-  from a counter-based generator keyed by its own seed (engines/inference.py), so a
+  from a counter-based generator keyed by its own seed (engines/inference/rng.py), so a
   token never depends on scheduling or on what else is batched;
 - the tiny policy is initialised under ``torch.manual_seed(seed)``, and both runs load
   version 0 from the same cache in ``workdir/models`` (the warm start stops on a wall

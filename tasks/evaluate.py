@@ -28,7 +28,8 @@ import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
+from engines.inference.engine import InferenceEngine
+from engines.inference.types import GenerationRequest, SamplingParams
 from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig

@@ -59,13 +59,13 @@ class EmbeddedServer:
             str(config.rollout.weight_noise_std),
             "--exit-with-parent",
         ]
-        from engines.server import main as serve_main
+        from infra.serving.server import main as serve_main
 
         self.process = start_forked_or_fresh(
             serve_main,
             argv,
             log_dir / "inference-server.log",
-            [sys.executable, "-m", "engines.server", *argv],
+            [sys.executable, "-m", "infra.serving.server", *argv],
         )
 
     def stop(self) -> None:

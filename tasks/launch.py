@@ -43,7 +43,7 @@ PRELOAD: tuple[str, ...] = (
     "mlflow",
     "pyarrow",
     "fsspec",
-    "engines.server",
+    "infra.serving.server",
     "tasks.rollout",
     "tasks.reward",
     "tasks.train",

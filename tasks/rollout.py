@@ -29,8 +29,8 @@ from typing import Any
 from engines.staleness import StalenessGate
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
-from infra.inference_client import InferenceClient
 from infra.registry import CommittedVersion
+from infra.serving.client import InferenceClient
 from infra.streams.reader import StreamReader
 from infra.streams.schema import table_from_rows
 from infra.streams.writer import StreamWriter

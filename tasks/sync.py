@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
+from engines.inference.engine import InferenceEngine
+from engines.inference.types import GenerationRequest, SamplingParams
 from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint, save_checkpoint
 from infra.config import RunConfig

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
+from engines.inference.engine import InferenceEngine
+from engines.inference.types import GenerationRequest, SamplingParams
 from engines.loss import make_policy_loss
 from engines.model import build_tiny_policy
 from engines.rollout_correction import make_rollout_correction

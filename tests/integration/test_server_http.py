@@ -18,13 +18,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engines.inference import GenerationRequest, InferenceEngine, SamplingParams
-from engines.server import ServerThread, create_app
-from infra.inference_client import (
+from engines.inference.engine import InferenceEngine
+from engines.inference.types import GenerationRequest, SamplingParams
+from infra.serving.client import (
     InferenceClient,
     InferenceServerError,
     InferenceServerUnreachableError,
 )
+from infra.serving.server import ServerThread, create_app
 
 pytestmark = pytest.mark.integration
 
@@ -355,7 +356,7 @@ def test_requests_spread_over_servers(served: Served, tmp_path: Path) -> None:
 
 
 def test_cli_module_serves(served: Served, tmp_path: Path) -> None:
-    """``python -m engines.server`` comes up and answers /model_info."""
+    """``python -m infra.serving.server`` comes up and answers /model_info."""
     import subprocess
     import sys
 
@@ -364,7 +365,7 @@ def test_cli_module_serves(served: Served, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "engines.server",
+            "infra.serving.server",
             "--model",
             str(served.v0),
             "--port",
@@ -408,7 +409,7 @@ def test_text_prompts_use_the_model_directorys_tokenizer(served: Served, tmp_pat
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from engines.server import load_tokenizer
+    from infra.serving.server import load_tokenizer
 
     model_dir = tmp_path / "with_tokenizer"
     shutil.copytree(served.v0, model_dir)
@@ -436,7 +437,7 @@ def test_server_watchdog_stops_the_server_when_its_parent_is_gone() -> None:
     """A rollout role killed with SIGKILL cannot stop its server: the server stops itself."""
     script = (
         "import sys, time\n"
-        "from engines.server import exit_with_parent\n"
+        "from infra.serving.server import exit_with_parent\n"
         "exit_with_parent(int(sys.argv[1]), poll_s=0.05)\n"
         "time.sleep(60)\n"
     )

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engines.inference import (
+from engines.inference.engine import InferenceEngine
+from engines.inference.kv_cache import decode_buckets
+from engines.inference.rng import counter_uniforms
+from engines.inference.types import (
     GenerationOutput,
     GenerationRequest,
-    InferenceEngine,
     SamplingParams,
     WeightLoadError,
-    counter_uniforms,
-    decode_buckets,
 )
 
 VOCAB = 40
@@ -238,7 +238,7 @@ def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
         config, model_cls = _llama_config(), LlamaForCausalLM
     model_dir = _save_model(tmp_path / arch, seed=5, config=config)
     engine = _engine(model_dir, fast_forward=fast)
-    assert (engine._fast is not None) == fast
+    assert (engine._batch.fast is not None) == fast
     outputs = engine.generate(
         [
             GenerationRequest(
@@ -644,7 +644,8 @@ def test_random_schedules_of_pauses_and_updates_lose_no_request(
 def test_prompt_cache_stays_within_a_quarter_of_the_kv_cache(model_dirs: dict[str, Path]) -> None:
     engine = _engine(model_dirs["v0"], max_batch_size=2, max_seq_len=96, prompt_cache_size=1000)
     kv_bytes = sum(
-        t.numel() * t.element_size() for t in (*engine._cache.keys, *engine._cache.values)
+        t.numel() * t.element_size()
+        for t in (*engine._batch.cache.keys, *engine._batch.cache.values)
     )
     for n in range(30):  # 30 distinct prompts, each about a tenth of the K/V cache
         engine.generate(
@@ -654,5 +655,5 @@ def test_prompt_cache_stays_within_a_quarter_of_the_kv_cache(model_dirs: dict[st
                 )
             ]
         )
-    assert 0 < engine._prompts.nbytes <= kv_bytes // 4
-    assert len(engine._prompts) < 30
+    assert 0 < engine._batch.prompts.nbytes <= kv_bytes // 4
+    assert len(engine._batch.prompts) < 30

@@ -24,9 +24,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engines.inference import InferenceEngine
-from engines.server import SGLANG_SAMPLING_KEYS, create_app
-from infra.inference_client import InferenceClient
+from engines.inference.engine import InferenceEngine
+from infra.serving.client import InferenceClient
+from infra.serving.protocol import SGLANG_SAMPLING_KEYS
+from infra.serving.server import create_app
 
 
 def _sglang_root() -> Path | None:

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from engines.inference import GenerationRequest, InferenceEngine, SamplingParams, perturb_weights
+from engines.inference.engine import InferenceEngine
+from engines.inference.types import GenerationRequest, SamplingParams
+from engines.inference.weights import perturb_weights
 from engines.loss import make_policy_loss
 from engines.model import load_policy_dir
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample

@@ -1,10 +1,11 @@
 """Async client for SGLang-compatible inference servers.
 
 The rollout side talks to inference servers only through this client: Sluice's
-own ``engines.server`` on a laptop, real SGLang servers at scale. It therefore
-sends only fields SGLang 0.5.x defines (``input_ids``, ``sampling_params``,
-``return_logprob``, ``rid``; ``mode``; ``model_path``, ``weight_version``,
-``abort_all_requests``) and reads only fields SGLang returns.
+own ``infra.serving.server`` on a laptop, real SGLang servers at scale. It
+therefore sends only fields SGLang 0.5.x defines (``input_ids``,
+``sampling_params``, ``return_logprob``, ``rid``; ``mode``; ``model_path``,
+``weight_version``, ``abort_all_requests``) and reads only fields SGLang returns;
+``infra.serving.protocol`` states both.
 
 Per-token policy versions come from ``meta_info.weight_versions`` (half-open
 ``[start, end)`` spans over output tokens). SGLang labels versions with
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import httpx
 
-PauseMode = Literal["abort", "retract", "in_place"]
+from infra.serving import protocol
+from infra.serving.protocol import GenerateResponse, PauseMode
 
 
 class InferenceServerError(RuntimeError):
@@ -44,53 +45,12 @@ class InferenceServerUnreachableError(InferenceServerError):
     """No connection could be made to an inference server (or it timed out)."""
 
 
-@dataclass(frozen=True)
-class GenerateResult:
-    """One sampled response, token-aligned."""
-
-    output_ids: list[int]
-    """Generated token ids (including a final stop/EOS token, as SGLang returns them)."""
-    behaviour_logprobs: list[float]
-    """Logprob of each output token under the sampling policy (empty if not requested)."""
-    token_versions: list[int]
-    """Policy version that generated each output token."""
-    finish_reason: str
-    """``stop``, ``length`` or ``abort``."""
-    prompt_tokens: int
-    """Number of prompt tokens the server saw."""
-    request_id: str
-    """The server's id for the request (``meta_info.id``)."""
-    server_url: str
-    """Base URL of the server that answered."""
-    text: str = ""
-    """Decoded output text when the server has a tokenizer, else empty."""
-    weight_version: int | None = None
-    """The server's ``meta_info.weight_version`` (version at finish)."""
-
-    @property
-    def version_start(self) -> int | None:
-        return min(self.token_versions) if self.token_versions else None
-
-    @property
-    def version_end(self) -> int | None:
-        return max(self.token_versions) if self.token_versions else None
-
-
 def _error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
     except ValueError:
         return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, str):
-            return error
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for key in ("message", "detail"):
-            if key in body:
-                return str(body[key])
-    return str(body)[:500]
+    return protocol.error_message(body)
 
 
 class InferenceClient:
@@ -163,9 +123,9 @@ class InferenceClient:
         return candidates[next(self._cursor) % len(candidates)]
 
     async def _request(
-        self, url: str, method: str, path: str, body: dict[str, Any] | None = None
+        self, url: str, method: str, path: str, body: Mapping[str, Any] | None = None
     ) -> Any:
-        pool = self._http if path == "/generate" else self._control
+        pool = self._http if path == protocol.GENERATE else self._control
         try:
             response = await pool.request(method, url + path, json=body)
         except httpx.TimeoutException as exc:
@@ -195,7 +155,7 @@ class InferenceClient:
             ) from exc
 
     async def _broadcast(
-        self, method: str, path: str, body: dict[str, Any] | None = None
+        self, method: str, path: str, body: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         results = await asyncio.gather(
             *(self._request(url, method, path, body) for url in self.base_urls),
@@ -215,21 +175,21 @@ class InferenceClient:
         return_logprob: bool = True,
         *,
         rid: str | None = None,
-    ) -> GenerateResult:
+    ) -> GenerateResponse:
         """Sample one response to ``input_ids`` on the least-loaded server."""
         if (sampling_params or {}).get("n", 1) not in (1, None):
             raise ValueError("generate() samples one response; use generate_group() for n > 1")
-        body: dict[str, Any] = {
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": dict(sampling_params or {}),
-            "return_logprob": return_logprob,
-        }
+        body = protocol.GenerateBody(
+            input_ids=[int(t) for t in input_ids],
+            sampling_params=dict(sampling_params or {}),
+            return_logprob=return_logprob,
+        )
         if rid is not None:
             body["rid"] = rid
         url = self._pick_server()
         self._in_flight[url] += 1
         try:
-            payload = await self._request(url, "POST", "/generate", body)
+            payload = await self._request(url, "POST", protocol.GENERATE, body)
         finally:
             self._in_flight[url] -= 1
         if isinstance(payload, list) and len(payload) == 1:
@@ -242,7 +202,7 @@ class InferenceClient:
         n: int,
         sampling_params: dict[str, Any] | None = None,
         return_logprob: bool = True,
-    ) -> list[GenerateResult]:
+    ) -> list[GenerateResponse]:
         """Sample ``n`` responses to one prompt in one request (SGLang's ``n``; a GRPO group).
 
         One HTTP round trip per group instead of one per sample: on a small machine the
@@ -251,15 +211,15 @@ class InferenceClient:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        body: dict[str, Any] = {
-            "input_ids": [int(t) for t in input_ids],
-            "sampling_params": {**(sampling_params or {}), "n": n},
-            "return_logprob": return_logprob,
-        }
+        body = protocol.GenerateBody(
+            input_ids=[int(t) for t in input_ids],
+            sampling_params={**(sampling_params or {}), "n": n},
+            return_logprob=return_logprob,
+        )
         url = self._pick_server()
         self._in_flight[url] += n
         try:
-            payload = await self._request(url, "POST", "/generate", body)
+            payload = await self._request(url, "POST", protocol.GENERATE, body)
         finally:
             self._in_flight[url] -= n
         if n == 1 and isinstance(payload, dict):
@@ -273,95 +233,42 @@ class InferenceClient:
         return [self._parse_generate(url, item, return_logprob) for item in payload]
 
     def _version(self, url: str, label: Any) -> int:
-        if isinstance(label, int) and not isinstance(label, bool):
-            return label
-        if isinstance(label, str):
-            stripped = label.strip()
-            if stripped == "default":
-                return self.default_weight_version
-            if stripped.lstrip("-").isdigit():
-                return int(stripped)
-        raise InferenceServerError(
-            url,
-            f"inference server {url} reported weight version {label!r}, which is not an integer policy version",
-        )
-
-    def _parse_generate(self, url: str, payload: Any, return_logprob: bool) -> GenerateResult:
-        def bad(what: str) -> InferenceServerError:
-            return InferenceServerError(
-                url, f"inference server {url} sent an unusable /generate response: {what}"
+        if isinstance(label, str) and label.strip() == protocol.DEFAULT_VERSION_LABEL:
+            return self.default_weight_version
+        version = protocol.parse_version_label(label)
+        if version is None:
+            raise InferenceServerError(
+                url,
+                f"inference server {url} reported weight version {label!r}, which is not an integer policy version",
             )
+        return version
 
-        if not isinstance(payload, dict) or not isinstance(payload.get("meta_info"), dict):
-            raise bad("expected an object with meta_info")
-        meta = payload["meta_info"]
-        output_ids = payload.get("output_ids")
-        if not isinstance(output_ids, list):
-            raise bad("output_ids is missing")
-        count = len(output_ids)
-        finish = meta.get("finish_reason")
-        finish_type = finish.get("type") if isinstance(finish, dict) else finish
-        if finish_type not in ("stop", "length", "abort"):
-            raise bad(f"finish_reason {finish!r}")
-
-        versions: list[int | None] = [None] * count
-        spans = meta.get("weight_versions")
-        if spans:
-            for span in spans:
-                if not isinstance(span, dict):
-                    raise bad(f"weight_versions entry {span!r} is not an object")
-                version = self._version(url, span.get("version"))
-                for index in range(
-                    max(0, int(span.get("start", 0))), min(count, int(span.get("end", 0)))
-                ):
-                    versions[index] = version
-        elif meta.get("weight_version") is not None:
-            versions = [self._version(url, meta["weight_version"])] * count
-        else:
-            raise bad("neither weight_versions nor weight_version is present")
-        if any(v is None for v in versions):
-            raise bad(f"weight_versions spans {spans!r} do not cover all {count} output tokens")
-
-        logprobs: list[float] = []
-        if return_logprob:
-            entries = meta.get("output_token_logprobs")
-            if not isinstance(entries, list) or len(entries) != count:
-                raise bad(
-                    f"output_token_logprobs has {len(entries) if isinstance(entries, list) else 'no'} entries for {count} tokens"
-                )
-            for index, entry in enumerate(entries):
-                if not isinstance(entry, list) or len(entry) < 2 or entry[0] is None:
-                    raise bad(f"output_token_logprobs[{index}] is {entry!r}")
-                if entry[1] != output_ids[index]:
-                    raise bad(
-                        f"output_token_logprobs[{index}] is for token {entry[1]}, not {output_ids[index]}"
-                    )
-                logprobs.append(float(entry[0]))
-
-        weight_version = meta.get("weight_version")
-        return GenerateResult(
-            output_ids=[int(t) for t in output_ids],
-            behaviour_logprobs=logprobs,
-            token_versions=[int(v) for v in versions if v is not None],
-            finish_reason=str(finish_type),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            request_id=str(meta.get("id", "")),
-            server_url=url,
-            text=str(payload.get("text") or ""),
-            weight_version=None if weight_version is None else self._version(url, weight_version),
-        )
+    def _parse_generate(self, url: str, payload: Any, return_logprob: bool) -> GenerateResponse:
+        try:
+            return protocol.decode_generate_response(
+                payload,
+                return_logprob=return_logprob,
+                server_url=url,
+                version_of=lambda label: self._version(url, label),
+            )
+        except protocol.ResponseSchemaError as exc:
+            raise InferenceServerError(
+                url, f"inference server {url} sent an unusable /generate response: {exc}"
+            ) from exc
 
     # --------------------------------------------------------------- control
 
-    async def pause(self, mode: PauseMode = "abort") -> None:
+    async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Pause generation on every server (SGLang ``/pause_generation``)."""
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
-        await self._broadcast("POST", "/pause_generation", {"mode": mode})
+        if mode not in protocol.PAUSE_MODES:
+            *first, last = (repr(m) for m in protocol.PAUSE_MODES)
+            raise ValueError(f"pause mode must be {', '.join(first)} or {last}, got {mode!r}")
+        body = protocol.PauseBody(mode=PauseMode(mode).value)
+        await self._broadcast("POST", protocol.PAUSE_GENERATION, body)
 
     async def continue_(self) -> None:
         """Resume generation on every server."""
-        await self._broadcast("POST", "/continue_generation", {})
+        await self._broadcast("POST", protocol.CONTINUE_GENERATION, {})
 
     async def update_weights_from_disk(
         self, path: str, version: int, *, abort_all_requests: bool = False
@@ -370,12 +277,12 @@ class InferenceClient:
 
         Returns each server's count of requests paused across the update.
         """
-        body = {
-            "model_path": str(path),
-            "weight_version": str(int(version)),
-            "abort_all_requests": abort_all_requests,
-        }
-        answers = await self._broadcast("POST", "/update_weights_from_disk", body)
+        body = protocol.UpdateWeightsBody(
+            model_path=str(path),
+            weight_version=protocol.version_label(int(version)),
+            abort_all_requests=abort_all_requests,
+        )
+        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_DISK, body)
         paused: dict[str, int] = {}
         for url, answer in answers.items():
             if not isinstance(answer, dict) or not answer.get("success"):
@@ -391,7 +298,7 @@ class InferenceClient:
 
         async def check(url: str) -> bool:
             try:
-                await self._request(url, "GET", "/health")
+                await self._request(url, "GET", protocol.HEALTH)
             except InferenceServerError:
                 return False
             return True
@@ -418,4 +325,4 @@ class InferenceClient:
 
     async def model_info(self) -> dict[str, dict[str, Any]]:
         """Each server's ``/model_info`` (model path, weight version, ...)."""
-        return await self._broadcast("GET", "/model_info")
+        return await self._broadcast("GET", protocol.MODEL_INFO)

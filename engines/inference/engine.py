@@ -1,0 +1,231 @@
+"""Continuous-batching inference engine with interruptible weight updates.
+
+This is the rollout side's generator. It keeps up to ``max_batch_size``
+sequences resident in a preallocated per-slot KV cache and runs one decode
+step over all of them at a time; a sequence that finishes frees its slot at
+once and the next waiting prompt is prefilled into it, so a short answer never
+waits for the longest one in its batch (what ``transformers``' ``generate()``
+does).
+
+Every sampled token records the policy version of the weights that produced
+it. ``update_weights_from_disk`` loads a new Hugging Face checkpoint between
+two decode steps; the KV cache of every in-flight sequence is then recomputed
+with the new weights (prompt plus the tokens generated so far), so the tokens
+that follow are scored by the new policy and carry its version (AReaL §3,
+interruptible generation). ``drain=True`` gives the ablation baseline instead:
+admission stops, in-flight sequences finish under the old weights, then the
+new weights load.
+
+This module loads the model and applies weight updates. The rest of the package:
+``scheduler`` holds the request lifecycle (queues, futures, pause, abort, the
+scheduler thread), ``batch`` runs a step's compute, ``sampling`` states the
+logprob convention the trainer relies on, ``weights`` reads checkpoints and
+injects the mismatch used by studies, ``types`` holds what goes in and out.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.inference.batch import SlotBatch
+from engines.inference.loading import (
+    check_attention_is_full,
+    eos_token_ids,
+    load_causal_lm,
+    resolve_dtype,
+)
+from engines.inference.scheduler import Scheduler
+from engines.inference.types import WeightUpdateReport
+from engines.inference.weights import (
+    check_model_type,
+    match_state_dict,
+    perturb_weights,
+    read_weight_files,
+)
+
+
+class InferenceEngine(Scheduler):
+    """Continuous-batching generator over a local Hugging Face causal LM.
+
+    A ``Scheduler`` (submit, result, generate, abort, pause, step, start, shutdown)
+    over the model loaded from ``model_dir``, plus weight updates from disk.
+    Thread-safe: ``update_weights_from_disk`` too may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | str = "float32",
+        max_batch_size: int = 64,
+        max_seq_len: int | None = None,
+        seed: int = 0,
+        weight_version: int = 0,
+        max_prefill_tokens: int | None = None,
+        num_threads: int | None = None,
+        weight_noise_std: float = 0.0,
+        prompt_cache_size: int | None = None,
+        fast_forward: bool = True,
+    ) -> None:
+        """Load ``model_dir`` (local files only) and allocate the KV cache.
+
+        Args:
+            model_dir: Hugging Face model directory (config + weights).
+            device: ``cpu`` or ``cuda[:i]``.
+            dtype: parameter and KV cache dtype (``float32``, ``bfloat16``, ``float16``).
+            max_batch_size: number of KV slots, i.e. sequences decoded together.
+            max_seq_len: prompt + response token budget per slot; default
+                ``min(max_position_embeddings, 2048)``.
+            seed: seeds the per-request sampling seeds of requests without one.
+            weight_version: policy version of the weights in ``model_dir``.
+            max_prefill_tokens: tokens per prefill forward (padded ones included on the
+                Hugging Face path). Default 512 on a CPU, where a chunk whose
+                activations stay in cache runs ~2.4x faster per token than one of
+                8192, and 8192 on a GPU.
+            num_threads: if set, torch intra-op threads for this process (a
+                process-wide setting). Small models decode fastest on 1: their
+                matmuls are too small to split, and on a shared CPU extra
+                threads mostly spin against each other.
+            weight_noise_std: relative std of Gaussian noise added to every weight
+                loaded, keyed by ``(seed, weight version)`` (see ``perturb_weights``);
+                injects train–inference mismatch on purpose. 0 = off.
+            prompt_cache_size: prefilled prompts kept for reuse (see
+                ``prompt_cache.PromptCache``); default ``max_batch_size``, 0 turns the
+                cache off. Whatever the count, the cache holds at most a quarter of the
+                KV cache's bytes.
+            fast_forward: run Llama-shaped models through ``engines.inference.decoder``
+                (same arithmetic, fewer calls); False, or any other model type, runs
+                the Hugging Face decoder.
+        """
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_prefill_tokens is None:
+            max_prefill_tokens = 512 if device == "cpu" else 8192
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if not Path(model_dir).is_dir():
+            raise ValueError(f"model directory {str(model_dir)!r} does not exist")
+        if not (math.isfinite(weight_noise_std) and weight_noise_std >= 0):
+            raise ValueError(f"weight_noise_std must be finite and >= 0, got {weight_noise_std}")
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.model: Any = load_causal_lm(self.model_dir, self.dtype).to(self.device).eval()
+        config = self.model.config
+        self.model_type = str(getattr(config, "model_type", ""))
+        max_positions = int(getattr(config, "max_position_embeddings", 2048) or 2048)
+        max_seq_len = int(max_seq_len) if max_seq_len is not None else min(max_positions, 2048)
+        if not 2 <= max_seq_len <= max_positions:
+            raise ValueError(
+                f"max_seq_len must be in [2, max_position_embeddings={max_positions}], "
+                f"got {max_seq_len}"
+            )
+        check_attention_is_full(config, max_seq_len)
+        self.max_prefill_tokens = max_prefill_tokens
+        batch = SlotBatch(
+            self.model,
+            device=self.device,
+            dtype=self.dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            max_prefill_tokens=max_prefill_tokens,
+            prompt_cache_size=prompt_cache_size,
+            fast_forward=fast_forward,
+        )
+        super().__init__(
+            batch,
+            vocab_size=int(config.vocab_size),
+            max_seq_len=max_seq_len,
+            max_batch_size=max_batch_size,
+            eos_token_ids=eos_token_ids(self.model),
+            seed=seed,
+            weight_version=weight_version,
+        )
+        self._update_lock = threading.Lock()
+        self.weight_noise_std = float(weight_noise_std)
+        self._noise_seed = int(seed)
+        if self.weight_noise_std:
+            # from_pretrained loaded clean weights; overwrite them exactly as an update
+            # would, so version 0 is perturbed like every later version.
+            tensors = read_weight_files(self.model_dir)
+            targets = match_state_dict(self.model.state_dict(), tensors, self.model_dir)
+            with torch.no_grad():
+                for name, tensor in self._perturb(tensors, self._weight_version).items():
+                    targets[name].copy_(tensor)
+
+    def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        weight_version: int,
+        *,
+        drain: bool = False,
+        abort_all_requests: bool = False,
+    ) -> WeightUpdateReport:
+        """Load new weights (same architecture) from a Hugging Face directory.
+
+        Interruptible (default): applied between two decode steps; every
+        in-flight sequence has its KV recomputed under the new weights, so its
+        later tokens carry ``weight_version``. ``drain=True``: stop admitting,
+        let in-flight sequences finish under the old weights, then load.
+        Raises WeightLoadError (old weights kept) if the directory is unusable.
+        """
+        if isinstance(weight_version, bool) or not isinstance(weight_version, int):
+            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        with self._update_lock:
+            t0 = time.perf_counter()
+            # Reading from disk happens while generation keeps running.
+            tensors = self._perturb(read_weight_files(model_path), weight_version)
+            check_model_type(model_path, self.model_type)
+            targets = match_state_dict(self.model.state_dict(), tensors, model_path)
+            read_s = time.perf_counter() - t0
+            drain_wait_s = 0.0
+            if drain:
+                t1 = time.perf_counter()
+                self._drain()
+                drain_wait_s = time.perf_counter() - t1
+            with self._control():
+                t2 = time.perf_counter()
+                aborted = (
+                    self._abort_all_locked("aborted for a weight update")
+                    if abort_all_requests
+                    else 0
+                )
+                self._retract_all_locked()
+                # Retracted sequences (now or by an earlier retract pause) all
+                # have output tokens: their KV is rebuilt under the new weights.
+                recomputed = sum(1 for s in self._waiting if s.output_ids)
+                with torch.no_grad():
+                    for name, tensor in tensors.items():
+                        targets[name].copy_(tensor)
+                self._batch.prompts.clear()
+                self._weight_version = weight_version
+                self._admitting = True
+                apply_s = time.perf_counter() - t2
+            return WeightUpdateReport(
+                weight_version=weight_version,
+                num_recomputed_requests=recomputed,
+                num_aborted_requests=aborted,
+                read_s=read_s,
+                drain_wait_s=drain_wait_s,
+                apply_s=apply_s,
+            )
+
+    def _perturb(
+        self, tensors: dict[str, torch.Tensor], weight_version: int
+    ) -> dict[str, torch.Tensor]:
+        return perturb_weights(
+            tensors, self.weight_noise_std, seed=self._noise_seed, weight_version=weight_version
+        )

@@ -1,0 +1,64 @@
+"""Drawing one token per row from a batch of logits, and its behaviour logprob.
+
+Conventions the trainer relies on:
+
+- ``behaviour_logprobs`` are ``log_softmax(logits / temperature)`` of the
+  sampled token over the *full* vocabulary. top-p / top-k only restrict which
+  token may be drawn; the logprob is still taken under the unrestricted
+  tempered distribution, which is what the trainer recomputes (and what SGLang
+  returns by default).
+- temperature 0 is greedy decoding; its logprobs are ``log_softmax(logits)``.
+- Each row draws its uniform from ``rng.counter_uniforms`` keyed by
+  ``(seed, output token index)``, so a request's tokens do not depend on which
+  other requests share its batch, nor on retraction or re-prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engines.inference.rng import counter_uniforms
+from engines.inference.types import SamplingParams
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    counters: Sequence[int],
+) -> tuple[list[int], list[float]]:
+    """Draw one token per row of ``logits`` (``[rows, vocab]``, float32).
+
+    Row r samples under ``params[r]`` with the uniform keyed by ``(seeds[r],
+    counters[r])``; returns the tokens and their behaviour logprobs.
+    """
+    device = logits.device
+    temps = [p.temperature for p in params]
+    greedy = torch.tensor([t == 0.0 for t in temps], device=device)
+    temperature = torch.tensor([t if t > 0.0 else 1.0 for t in temps], device=device)
+    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
+    probs = logp.exp()
+    if any(p.top_p < 1.0 or p.top_k_active for p in params):
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k_active else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep = (ranks[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+        keep[:, 0] = True
+        # Scatter back to vocabulary order so rows without a filter sample
+        # exactly as they would in a batch where no row sorts.
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
+    uniforms = counter_uniforms(seeds, counters)
+    cdf = probs.double().cumsum(dim=-1)
+    targets = torch.as_tensor(uniforms, device=device)[:, None] * cdf[:, -1:]
+    sampled = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)
+    # Guard against landing on a zero-probability token through rounding at the top end.
+    last_nonzero = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)
+    sampled = torch.where(probs.gather(1, sampled) > 0, sampled, last_nonzero)
+    chosen = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), sampled)
+    chosen_logp = logp.gather(1, chosen)
+    return chosen[:, 0].tolist(), chosen_logp[:, 0].tolist()
