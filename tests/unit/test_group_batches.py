@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from engines.groups import GroupBuffer, group_index_of, group_key
 from engines.staleness import StalenessGate
 from infra.streams import (
     CorruptShardError,
@@ -25,8 +26,7 @@ from infra.streams import (
     shard_key_tag,
     table_from_rows,
 )
-from tasks.common import group_index_of, group_key
-from tasks.train import GroupBuffer, lost_groups
+from tasks.train import lost_groups
 
 
 def ref(name: str, groups: int = 1) -> ShardRef:
