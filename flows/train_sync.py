@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.train import (
+from flows.run_helpers import (
     ROLE_TASK_NAMES,
     new_run_id,
     run_roles,
