@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.config import RunConfig
 from tasks.common import RunControl, read_statuses, run_paths
+from tasks.launch import close_launcher, warm_launcher
 from tasks.supervise import run_role
 
 ROLE_TASK_NAMES = {
@@ -25,6 +28,20 @@ ROLE_TASK_NAMES = {
     "train": "train-policy",
     "evaluate": "evaluate-policy",
 }
+
+
+@contextmanager
+def role_launcher() -> Iterator[None]:
+    """The role launcher of one flow run: started now, so the roles' imports overlap the
+    run's set-up, and closed when the roles have ended or the flow fails before them.
+    A launcher left running would start the next run's roles with its own imports and
+    environment (PYTHONPATH included), and that run's clock would not carry its start-up.
+    """
+    warm_launcher()
+    try:
+        yield
+    finally:
+        close_launcher()
 
 
 def new_run_id(config: RunConfig) -> str:

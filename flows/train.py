@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 from flows.run_helpers import (
     ROLE_TASK_NAMES,
     new_run_id,
+    role_launcher,
     run_roles,
     watch_progress,
     write_resolved_config,
@@ -31,7 +32,6 @@ from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
 from tasks.common import ROLES, RunControl, run_paths, run_registry
 from tasks.inference_server import write_start
-from tasks.launch import close_launcher, warm_launcher
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 
@@ -77,41 +77,42 @@ def train(
     were in flight.
     """
     started = time.monotonic()
-    warm_launcher()  # the roles' imports, once, while this flow sets the run up
-    config = config or load_config("default")
-    logger = get_run_logger()
-    if resume and not run_id:
-        raise ResumeError("resume needs the run id of an earlier run")
-    run_id = run_id or new_run_id(config)
-    paths = run_paths(config, run_id)
-    previous_mlflow_run = prepare_resume(config, run_id) if resume else None
-    mlflow_run_id = start_or_resume_run(
-        config.tracking.uri,
-        config.tracking.experiment,
-        run_name=run_id,
-        run_id=previous_mlflow_run,
-        artifact_location=config.tracking.artifact_location,
-    )
-    log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
-    config_path = write_resolved_config(config, run_id)
-    logger.info(
-        "%s run %s: storage %s, MLflow run %s",
-        "resuming" if resume else "starting",
-        run_id,
-        paths.prefix,
-        mlflow_run_id,
-    )
+    with role_launcher():  # the roles' imports, once, while this flow sets the run up
+        config = config or load_config("default")
+        logger = get_run_logger()
+        if resume and not run_id:
+            raise ResumeError("resume needs the run id of an earlier run")
+        run_id = run_id or new_run_id(config)
+        paths = run_paths(config, run_id)
+        previous_mlflow_run = prepare_resume(config, run_id) if resume else None
+        mlflow_run_id = start_or_resume_run(
+            config.tracking.uri,
+            config.tracking.experiment,
+            run_name=run_id,
+            run_id=previous_mlflow_run,
+            artifact_location=config.tracking.artifact_location,
+        )
+        log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
+        config_path = write_resolved_config(config, run_id)
+        logger.info(
+            "%s run %s: storage %s, MLflow run %s",
+            "resuming" if resume else "starting",
+            run_id,
+            paths.prefix,
+            mlflow_run_id,
+        )
 
-    prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
-    start = run_registry(config, run_id).latest()
-    if start is not None:  # lets the rollout role start its server before its own imports
-        write_start(config, run_id, start.policy_version, start.checkpoint_uri)
+        prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
+        start = run_registry(config, run_id).latest()
+        if start is not None:  # lets the rollout role start its server before its own imports
+            write_start(config, run_id, start.policy_version, start.checkpoint_uri)
 
-    log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
-    roles = [r for r in ROLES if r != "evaluate" or config.trainer.eval_during_run]
-    futures = run_roles(roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir)
-    watch_progress(config, run_id, futures, started=started)
-    close_launcher()  # every role has ended; the next run starts its own
+        log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
+        roles = [r for r in ROLES if r != "evaluate" or config.trainer.eval_during_run]
+        futures = run_roles(
+            roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir
+        )
+        watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)
