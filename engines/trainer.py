@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -357,13 +357,3 @@ class PolicyTrainer:
         state = {"steps_done": self.steps_done, **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
         return out
-
-
-def build_trainer(
-    model_dir: str | Path,
-    settings: TrainerSettings,
-    loss_fn: PolicyLossFn,
-    correction_fn: Callable[..., Any] | None,
-    **kwargs: Any,
-) -> PolicyTrainer:
-    return PolicyTrainer(model_dir, settings, loss_fn, correction_fn, **kwargs)

@@ -281,16 +281,3 @@ def publish_report(
         log_figure_png(uri, mlflow_run, figure, artifact_file)
     end_run(uri, mlflow_run)
     return mlflow_run
-
-
-def run_from_cli(
-    name: str,
-    config: RunConfig,
-    overrides: list[str] | None = None,
-    variants: list[str] | None = None,
-) -> int:
-    if name != "async-vs-sync":
-        raise ConfigError(f"unknown benchmark '{name}'")
-    config = apply_bench_defaults(config, overrides or [])
-    bench_async_vs_sync(config, variants=variants)
-    return 0

@@ -1,6 +1,6 @@
 """`sluice` command line: parse and validate first, import the heavy parts after.
 
-    sluice train [CONFIG] [--set key=value ...] [--resume RUN]
+    sluice train [CONFIG] [--set key=value ...] [--resume RUN | --sync]
     sluice eval  [CONFIG] [--set ...] [--run RUN] [--version N]
     sluice serve [CONFIG] ...            # Prefect deployments
     sluice bench NAME [--set ...]         # time-to-target | async-vs-sync | staleness | ...
@@ -9,7 +9,9 @@
     sluice bench mismatch  [--mode none|token_tis|... ...] [--seeds N]
 
 A bad config fails here in milliseconds with one line, before torch, Prefect or
-MLflow are imported.
+MLflow are imported. Every command lives here (exit codes, error lines, what is
+printed); the flows it calls (flows/train.py, flows/evaluate.py, flows/bench.py, ...)
+are imported only once the arguments are known to be good.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 from infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
 
@@ -204,6 +206,11 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]:
     args = build_parser().parse_args(argv)
+    if getattr(args, "sync", False) and getattr(args, "resume", None):
+        raise ConfigError(
+            "--resume continues an asynchronous run; 'sluice train --sync' always starts "
+            "a new run (drop --sync to resume, or --resume to start a new sync run)"
+        )
     config = load_config(args.config, args.overrides)
     if args.command == "bench":
         check_bench_args(args, config)
@@ -248,67 +255,175 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, config = parse(argv)
     except ConfigError as err:
-        print(f"sluice: error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)
     _quiet_environment()
     if args.command == "train":
-        from flows.train import run_from_cli
-
-        return run_from_cli(config, resume=args.resume, sync=args.sync)
+        return run_train(config, resume=args.resume, sync=args.sync)
     if args.command == "eval":
         try:
             run_id, config = resolve_run(config, args.run, args.overrides)
         except ConfigError as err:
-            print(f"sluice: error: {err}", file=sys.stderr)
-            return 2
-        from flows.evaluate import run_from_cli as eval_from_cli
-
-        return eval_from_cli(config, run_id=run_id, version=args.version)
+            return fail(err)
+        return run_eval(config, run_id=run_id, version=args.version)
     if args.command == "serve":
-        from flows.deployments import serve_from_cli
-
-        return serve_from_cli(config)
+        return run_serve(config)
     if args.command == "bench":
         return run_bench(args, config)
     return 2
 
 
+def fail(err: Exception | str, code: int = 2) -> int:
+    """One error line on stderr; the exit code."""
+    print(f"sluice: error: {err}", file=sys.stderr)
+    return code
+
+
+# ---------------------------------------------------------------- sluice train
+
+
+def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
+    if sync:
+        from flows.train_sync import train_sync
+
+        result = train_sync(config)
+    else:
+        from flows.train import ResumeError, train
+
+        try:
+            result = train(config, run_id=resume, resume=bool(resume))
+        except ResumeError as err:
+            return fail(err)
+    print_where_to_look(config, result)
+    return 0
+
+
+def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
+    uri = config.tracking.uri
+    print("\nDone.", file=sys.stdout)
+    for key in ("held_out_reward_start", "held_out_reward_final"):
+        if key in result:
+            print(f"  {key.replace('_', ' ')}: {result[key]:.3f}")
+    print(f"  checkpoint:  {result.get('checkpoint_uri', '-')}")
+    if "core_split" in result:
+        from tasks.report import core_split_lines
+
+        for line in core_split_lines(result["core_split"]):
+            print(f"  {line[2:]}")
+    print(
+        f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open {result.get('mlflow_run_url', '')})"
+    )
+    if "reward_curve_artifact" in result:
+        print(f"  curves:      {result['reward_curve_artifact']} in the MLflow run's artifacts")
+    print("  Prefect UI:  prefect server start   (flow runs at http://127.0.0.1:4200/runs)")
+
+
+# ---------------------------------------------------------------- sluice eval
+
+
+def run_eval(config: RunConfig, run_id: str, version: int | None = None) -> int:
+    """Exit 2 with one line when the version does not exist, else evaluate it."""
+    from flows.evaluate import VersionNotFound, evaluate, find_version
+    from infra.registry import RegistryError
+    from infra.tracking import TrackingError
+
+    try:
+        find_version(config, run_id, version)
+    except VersionNotFound as err:
+        return fail(err)
+    except (TrackingError, RegistryError) as err:
+        return fail(err, code=1)
+    result = evaluate(config, run_id=run_id, version=version)
+    print(format_eval_result(result))
+    return 0
+
+
+def format_eval_result(result: dict[str, Any]) -> str:
+    """A short two-column table for the terminal."""
+    rows = [
+        ("run", result["run_id"]),
+        ("policy version", str(result["policy_version"])),
+        ("model version", f"{result['model_version']} of {result['registered_model']}"),
+        ("held-out reward", f"{result['eval/reward']:.4f}"),
+        ("pass@1", f"{result['eval/pass_at_1']:.4f}"),
+        (
+            "prompts x samples",
+            f"{int(result['eval/prompts'])} x {result['samples_per_prompt']}",
+        ),
+        ("response length", f"{result['eval/response_length_mean']:.1f} tokens (mean)"),
+        ("time", f"{result['eval/time_s']:.1f} s"),
+        ("MLflow run", result["mlflow_run_id"]),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+# ---------------------------------------------------------------- sluice serve
+
+
+def run_serve(config: RunConfig) -> int:
+    """Serve the deployments from this process until interrupted."""
+    from prefect import serve
+    from prefect.settings import get_current_settings
+
+    from flows.deployments import build_deployments, next_steps
+
+    deployments = build_deployments(config)
+    settings = get_current_settings()
+    print(next_steps(deployments, settings.api.url, settings.ui_url), flush=True)
+    serve(*deployments, print_starting_message=False)
+    return 0
+
+
+# ---------------------------------------------------------------- sluice bench
+
+
 def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
     if args.name == "determinism":
-        try:
-            from flows.determinism import run_from_cli as determinism_from_cli
-        except ModuleNotFoundError as err:
-            if err.name != "flows.determinism":
-                raise
-            print("sluice: error: flows/determinism.py is not in this checkout", file=sys.stderr)
-            return 2
-        return determinism_from_cli(config, args.overrides)
+        return bench_determinism(config, args.overrides)
+    # Bench-sized settings unless --set chose otherwise.
+    from flows.bench import apply_bench_defaults
+
+    seeds = args.seeds or 3
     if args.name in ("staleness", "mismatch"):
-        from flows.studies import run_from_cli as study_from_cli
+        from flows.studies import STUDIES, bench_mismatch, bench_staleness
 
-        return study_from_cli(
-            args.name,
-            config,
-            args.overrides,
-            etas=args.etas,
-            objectives=args.objectives,
-            modes=args.modes,
-            seeds=args.seeds or 3,
-        )
+        config = apply_bench_defaults(config, args.overrides, STUDIES[args.name].defaults)
+        if args.name == "staleness":
+            bench_staleness(config, etas=args.etas, objectives=args.objectives, seeds=seeds)
+        else:
+            bench_mismatch(config, modes=args.modes, seeds=seeds)
+        return 0
     if args.name == "time-to-target":
-        from flows.time_to_target import run_from_cli as ttt_from_cli
+        from flows.time_to_target import TTT_DEFAULTS, bench_time_to_target
 
-        return ttt_from_cli(
+        config = apply_bench_defaults(config, args.overrides, TTT_DEFAULTS)
+        bench_time_to_target(
             config,
-            args.overrides,
-            contenders=args.variants,
-            seeds=args.seeds or 3,
+            args.variants,
+            seeds=seeds,
             horizon_s=args.horizon or 300.0,
             delta=args.delta or 0.2,
         )
-    from flows.bench import run_from_cli as bench_from_cli
+        return 0
+    from flows.bench import bench_async_vs_sync
 
-    return bench_from_cli(args.name, config, args.overrides, args.variants)
+    bench_async_vs_sync(apply_bench_defaults(config, args.overrides), variants=args.variants)
+    return 0
+
+
+def bench_determinism(config: RunConfig, overrides: list[str]) -> int:
+    """0 when both runs matched, 1 if not; `DEFAULT_STEPS` steps unless
+    `--set trainer.total_steps=N` is given."""
+    try:
+        from flows.determinism import DEFAULT_STEPS, apply_check_defaults, determinism_check
+    except ModuleNotFoundError as err:
+        if err.name != "flows.determinism":
+            raise
+        return fail("flows/determinism.py is not in this checkout")
+    explicit = {o.partition("=")[0].strip() for o in overrides}
+    steps = config.trainer.total_steps if "trainer.total_steps" in explicit else DEFAULT_STEPS
+    result = determinism_check(apply_check_defaults(config, overrides), steps)
+    return 0 if result["matched"] else 1
 
 
 if __name__ == "__main__":

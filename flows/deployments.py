@@ -5,9 +5,10 @@ Two routes to the same three deployments (names match prefect.yaml):
 - prefect.yaml + a process work pool (`prefect deploy --all`, `prefect worker start`):
   the deployments live on the server and any worker that can reach this checkout
   runs them;
-- `sluice serve` (here): `flow.to_deployment(...)` + `prefect.serve(...)`, Prefect's
-  long-running serve mode. No work pool or worker: this process polls the API and runs
-  each flow run in a subprocess. The CLI's resolved config becomes the default
+- `sluice serve` (flows/cli.py): `prefect.serve(...)` over the deployments that
+  `build_deployments` here makes with `flow.to_deployment(...)`, Prefect's long-running
+  serve mode. No work pool or worker: this process polls the API and runs each flow
+  run in a subprocess. The CLI's resolved config becomes the default
   `config` parameter of `train` and `train-sync`, so `sluice serve my.yaml --set ...`
   serves exactly what `sluice train my.yaml --set ...` would run; it can still be
   edited per run in the UI or with `prefect deployment run ... --param`.
@@ -123,14 +124,3 @@ def next_steps(deployments: list[RunnerDeployment], api_url: str | None, ui_url:
             "and serve again.",
         ]
     return "\n".join(lines)
-
-
-def serve_from_cli(config: RunConfig) -> int:
-    from prefect import serve
-    from prefect.settings import get_current_settings
-
-    deployments = build_deployments(config)
-    settings = get_current_settings()
-    print(next_steps(deployments, settings.api.url, settings.ui_url), flush=True)
-    serve(*deployments, print_starting_message=False)
-    return 0

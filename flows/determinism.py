@@ -222,14 +222,3 @@ def apply_check_defaults(config: RunConfig, overrides: list[str]) -> RunConfig:
         section, field = key.split(".")
         setattr(getattr(config, section), field, value)
     return config
-
-
-def run_from_cli(config: RunConfig, overrides: list[str]) -> int:
-    """`sluice bench determinism [CONFIG] [--set ...]`: 0 when both runs matched, 1 if not.
-
-    Runs `DEFAULT_STEPS` steps unless `--set trainer.total_steps=N` is given.
-    """
-    explicit = {o.partition("=")[0].strip() for o in overrides}
-    steps = config.trainer.total_steps if "trainer.total_steps" in explicit else DEFAULT_STEPS
-    result = determinism_check(apply_check_defaults(config, overrides), steps)
-    return 0 if result["matched"] else 1

@@ -20,16 +20,14 @@ repeat, and a changed `problem.eval_samples` should win.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.config import RunConfig, load_config
-from infra.registry import CommittedVersion, RegistryError
+from infra.registry import CommittedVersion
 from infra.tracking import (
-    TrackingError,
     end_run,
     get_client,
     log_config,
@@ -153,7 +151,7 @@ def evaluate(
     evaluates the newest committed version.
     """
     # tasks.evaluate imports torch: importing it here lets `sluice eval` reject a missing
-    # version (run_from_cli) in about a second.
+    # version (flows/cli.py) in about a second.
     from tasks.evaluate import evaluate_version
 
     config = config or load_config("default")
@@ -198,38 +196,3 @@ def evaluate(
         description=f"Held-out evaluation of {run_id}",
     )
     return result
-
-
-def format_result(result: dict[str, Any]) -> str:
-    """A short two-column table for the terminal."""
-    rows = [
-        ("run", result["run_id"]),
-        ("policy version", str(result["policy_version"])),
-        ("model version", f"{result['model_version']} of {result['registered_model']}"),
-        ("held-out reward", f"{result['eval/reward']:.4f}"),
-        ("pass@1", f"{result['eval/pass_at_1']:.4f}"),
-        (
-            "prompts x samples",
-            f"{int(result['eval/prompts'])} x {result['samples_per_prompt']}",
-        ),
-        ("response length", f"{result['eval/response_length_mean']:.1f} tokens (mean)"),
-        ("time", f"{result['eval/time_s']:.1f} s"),
-        ("MLflow run", result["mlflow_run_id"]),
-    ]
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
-
-
-def run_from_cli(config: RunConfig, run_id: str, version: int | None = None) -> int:
-    """`sluice eval`: exit 2 with one line when the version does not exist, else evaluate."""
-    try:
-        find_version(config, run_id, version)
-    except VersionNotFound as err:
-        print(f"sluice: error: {err}", file=sys.stderr)
-        return 2
-    except (TrackingError, RegistryError) as err:
-        print(f"sluice: error: {err}", file=sys.stderr)
-        return 1
-    result = evaluate(config, run_id=run_id, version=version)
-    print(format_result(result))
-    return 0

@@ -42,7 +42,7 @@ from flows.study_stats import (
     staleness_table,
     summarise,
 )
-from infra.config import ConfigError, RunConfig
+from infra.config import RunConfig
 from infra.tracking import get_metric_history
 
 # Bench-sized defaults, overridable by --set: the async-vs-sync step count, held-out
@@ -307,25 +307,3 @@ def bench_mismatch(
 ) -> dict[str, Any]:
     """Correction modes under injected mismatch, each over `seeds` seeds."""
     return run_study(MISMATCH, config, mismatch_cells(modes), seeds, report_dir)
-
-
-def run_from_cli(
-    name: str,
-    config: RunConfig,
-    overrides: list[str],
-    *,
-    etas: list[int] | None = None,
-    objectives: list[str] | None = None,
-    modes: list[str] | None = None,
-    seeds: int = 3,
-) -> int:
-    from flows.bench import apply_bench_defaults
-
-    if name not in STUDIES:
-        raise ConfigError(f"unknown study '{name}'; known: {list(STUDIES)}")
-    config = apply_bench_defaults(config, overrides, STUDIES[name].defaults)
-    if name == "staleness":
-        bench_staleness(config, etas=etas, objectives=objectives, seeds=seeds)
-    else:
-        bench_mismatch(config, modes=modes, seeds=seeds)
-    return 0

@@ -439,19 +439,3 @@ def bench_time_to_target(
     )
     print(f"curves: {PNG} in MLflow run {mlflow_run}", flush=True)
     return payload
-
-
-def run_from_cli(
-    config: RunConfig,
-    overrides: list[str],
-    *,
-    contenders: list[str] | None = None,
-    seeds: int = 3,
-    horizon_s: float = DEFAULT_HORIZON_S,
-    delta: float = DEFAULT_DELTA,
-) -> int:
-    from flows.bench import apply_bench_defaults
-
-    config = apply_bench_defaults(config, overrides, TTT_DEFAULTS)
-    bench_time_to_target(config, contenders, seeds=seeds, horizon_s=horizon_s, delta=delta)
-    return 0

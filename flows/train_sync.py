@@ -13,16 +13,16 @@ from typing import Any
 
 from prefect import flow
 
-from flows.train import (
+from flows.run_helpers import (
     ROLE_TASK_NAMES,
     new_run_id,
+    role_launcher,
     run_roles,
     watch_progress,
     write_resolved_config,
 )
 from infra.config import RunConfig, load_config
 from infra.tracking import log_config, start_or_resume_run
-from tasks.launch import close_launcher, warm_launcher
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
 
@@ -31,25 +31,24 @@ from tasks.report import publish_summary
 def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
     started = time.monotonic()
-    warm_launcher()  # the roles' imports, once, while this flow sets the run up
-    config = config or load_config("default")
-    run_id = run_id or new_run_id(config)
-    mlflow_run_id = start_or_resume_run(
-        config.tracking.uri,
-        config.tracking.experiment,
-        run_name=run_id,
-        artifact_location=config.tracking.artifact_location,
-        tags={"sluice.mode": "sync"},
-    )
-    log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
-    config_path = write_resolved_config(config, run_id)
-    prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
-    log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
-    roles = ["sync", "evaluate"] if config.trainer.eval_during_run else ["sync"]
-    names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
-    futures = run_roles(roles, names, str(config_path), run_id, mlflow_run_id, log_dir)
-    watch_progress(config, run_id, futures, started=started)
-    close_launcher()  # every role has ended; the next run starts its own
+    with role_launcher():  # the roles' imports, once, while this flow sets the run up
+        config = config or load_config("default")
+        run_id = run_id or new_run_id(config)
+        mlflow_run_id = start_or_resume_run(
+            config.tracking.uri,
+            config.tracking.experiment,
+            run_name=run_id,
+            artifact_location=config.tracking.artifact_location,
+            tags={"sluice.mode": "sync"},
+        )
+        log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
+        config_path = write_resolved_config(config, run_id)
+        prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
+        log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
+        roles = ["sync", "evaluate"] if config.trainer.eval_during_run else ["sync"]
+        names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
+        futures = run_roles(roles, names, str(config_path), run_id, mlflow_run_id, log_dir)
+        watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)

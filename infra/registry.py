@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -290,9 +289,10 @@ class CheckpointRegistry:
     def sync_alias(self) -> CommittedVersion | None:
         """Move the alias to the highest committed policy version; return it.
 
-        A trainer calls this when it resumes: a crash between creating a version and moving
-        the alias leaves the alias one version behind, and the trainer must continue from
-        the newest durable version, not the alias.
+        The training roles call this when they start (`TrainingRole.start_version`): a crash
+        between creating a version and moving the alias leaves the alias one version
+        behind, and the trainer must continue from the newest durable version, not the
+        alias.
         """
         committed = self.versions()
         if not committed:
@@ -338,17 +338,3 @@ class CheckpointRegistry:
                 if not token:
                     break
         return sorted(out, key=lambda c: c.policy_version)
-
-    def wait_for_newer(
-        self, policy_version: int, timeout_s: float, poll_interval_s: float = 0.5
-    ) -> CommittedVersion | None:
-        """Poll until the alias points past `policy_version`; None if `timeout_s` runs out."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            current = self.latest()
-            if current is not None and current.policy_version > policy_version:
-                return current
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(poll_interval_s, remaining))

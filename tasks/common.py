@@ -5,7 +5,7 @@ only shared state here is naming: stream and checkpoint locations under
 ``{storage.url}/{run}``, a control prefix for the stop marker, and one status
 document per role that the flow reads to draw progress. Status and control live on
 the same object storage as the streams, so a role on another machine reports the
-same way.
+same way. `tasks/role.py` puts these pieces together into the one shape every role has.
 """
 
 from __future__ import annotations
@@ -32,19 +32,6 @@ ROLES = ("rollout", "reward", "train", "evaluate")
 ROLLOUTS, SCORED = "rollouts", "scored"
 """The two trajectory streams: generated groups, then the same groups with rewards."""
 log = logging.getLogger("sluice")
-
-
-def group_key(index: int) -> str:
-    """The `group_id` of the prompt group the rollout role issued as number `index`."""
-    return f"group-{index:09d}"
-
-
-def group_index_of(group_id: str) -> int:
-    """The issue number in a `group_id` made by `group_key`; ValueError for any other id."""
-    head, _, number = group_id.rpartition("-")
-    if head != "group" or not number.isdigit():
-        raise ValueError(f"{group_id!r} is not a Sluice group id ('group-NNNNNNNNN')")
-    return int(number)
 
 
 @dataclass(frozen=True)
@@ -148,7 +135,14 @@ class RunControl:
     def done_marker(self) -> dict[str, Any] | None:
         return read_json(self.config, f"{self.paths.control}/done.json")
 
+    def stop_requested(self) -> bool:
+        """Whether a stop was already seen (a signal, `request_stop`, or the done marker
+        found by `should_stop`); never reads storage."""
+        return self._stop.is_set()
+
     def should_stop(self, check_marker_every_s: float = 1.0) -> bool:
+        """`stop_requested`, or the run's done marker (read at most every
+        `check_marker_every_s` seconds)."""
         if self._stop.is_set():
             return True
         now = time.monotonic()
@@ -159,6 +153,7 @@ class RunControl:
         return self._stop.is_set()
 
     def sleep(self, seconds: float) -> None:
+        """Sleep `seconds`, waking at once when a stop is requested."""
         self._stop.wait(seconds)
 
 

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.evaluation import heldout_metrics
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
 from engines.verifiers import load_verifier
@@ -35,17 +35,45 @@ from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from infra.tracking import log_metrics
-from tasks.common import RunControl, StatusReporter, run_paths, run_registry
-from tasks.problem import PromptSource, load_tokenizer
+from tasks.common import run_registry
+from tasks.problem import PromptSource, load_policy_tokenizer
+from tasks.role import Role
 
 log = logging.getLogger("sluice.evaluate")
+
+
+def eval_seed(seed: int, prompt: int, sample: int) -> int:
+    """Sampling seed of held-out sample `sample` of prompt `prompt`: fixed, so every version
+    is scored on the same random numbers and two versions differ by their weights, not by
+    their luck."""
+    return seed * 1_000_003 + prompt * 101 + sample
+
+
+def eval_requests(
+    config: RunConfig, prompt_ids: list[list[int]], temperature: float, with_greedy: bool
+) -> list[GenerationRequest]:
+    """`problem.eval_samples` seeded samples per prompt, then a greedy one when asked."""
+    max_new_tokens = config.rollout.max_new_tokens
+    requests = []
+    for i, ids in enumerate(prompt_ids):
+        for j in range(config.problem.eval_samples):
+            sampling = SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=eval_seed(config.seed, i, j),
+            )
+            requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
+        if with_greedy:
+            sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+            requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
+    return requests
 
 
 def evaluate_model_dir(
     config: RunConfig, model_dir: Path, policy_version: int = 0
 ) -> dict[str, float]:
     """pass@1 of the weights in `model_dir` on the run's held-out prompts."""
-    source = PromptSource(config, load_tokenizer(model_dir))
+    source = PromptSource(config, load_policy_tokenizer(model_dir))
     rows = source.eval_rows()
     verifier = load_verifier(
         config.reward.verifier,
@@ -64,71 +92,32 @@ def evaluate_model_dir(
         weight_version=policy_version,
     )
     started = time.monotonic()
-    requests = []
-    for i, row in enumerate(rows):
-        ids = source.encode_prompt(row)
-        # Fixed seeds: every version is scored on the same random numbers, so two
-        # versions differ by their weights, not by their luck.
-        for j in range(k):
-            sampling = SamplingParams(
-                max_new_tokens=config.rollout.max_new_tokens,
-                temperature=temperature,
-                seed=config.seed * 1_000_003 + i * 101 + j,
-            )
-            requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
-        if with_greedy:
-            sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=0.0)
-            requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
+    requests = eval_requests(
+        config, [source.encode_prompt(row) for row in rows], temperature, with_greedy
+    )
     outputs = engine.generate(requests)
     engine.shutdown()
     per_prompt = k + int(with_greedy)
-    rewards, correct, lengths, greedy_correct = [], [], [], []
-    for n, out in enumerate(outputs):
-        row = rows[n // per_prompt]
-        text = source.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-        reward = float(verifier(row, text))
-        if with_greedy and n % per_prompt == k:
-            greedy_correct.append(reward >= config.reward.correct_reward)
-            continue
-        rewards.append(reward)
-        correct.append(reward >= config.reward.correct_reward)
-        lengths.append(len(out.output_token_ids))
-    metrics = {
-        "eval/reward": float(np.mean(rewards)),
-        "eval/pass_at_1": float(np.mean(correct)),
-        "eval/response_length_mean": float(np.mean(lengths)),
-        "eval/prompts": float(len(rows)),
-        "eval/time_s": time.monotonic() - started,
-    }
-    metrics.update(reward_by_size(rows, rewards, k))
-    if with_greedy:
-        metrics["eval/greedy_accuracy"] = float(np.mean(greedy_correct))
-    elif temperature == 0:
-        metrics["eval/greedy_accuracy"] = metrics["eval/pass_at_1"]
+    rewards = [
+        float(
+            verifier(
+                rows[n // per_prompt],
+                source.tokenizer.decode(out.output_token_ids, skip_special_tokens=True),
+            )
+        )
+        for n, out in enumerate(outputs)
+    ]
+    metrics = heldout_metrics(
+        rows,
+        rewards,
+        [len(out.output_token_ids) for out in outputs],
+        samples_per_prompt=k,
+        with_greedy=with_greedy,
+        correct_reward=config.reward.correct_reward,
+        greedy_temperature=temperature == 0,
+    )
+    metrics["eval/time_s"] = time.monotonic() - started
     return metrics
-
-
-SIZE_BUCKETS = ((2, 2), (3, 4), (5, 8), (9, 16), (17, 1_000_000))
-"""Problem sizes (the built-in task's `num_terms`) reported separately: RL gains and
-losses are rarely spread evenly over easy and hard prompts."""
-
-
-def reward_by_size(rows: list[dict[str, Any]], rewards: list[float], k: int) -> dict[str, float]:
-    """Held-out reward per size bucket, for rows that carry a `num_terms` size."""
-    out: dict[str, float] = {}
-    if not rows or any(not isinstance(r.get("num_terms"), int) for r in rows):
-        return out
-    for low, high in SIZE_BUCKETS:
-        chosen = [
-            rewards[i * k + j]
-            for i, row in enumerate(rows)
-            if low <= row["num_terms"] <= high
-            for j in range(k)
-        ]
-        if chosen:
-            name = f"{low}" if low == high else f"{low}-{high}" if high < 1_000_000 else f"{low}_up"
-            out[f"eval/reward_terms_{name}"] = float(np.mean(chosen))
-    return out
 
 
 def eval_weights_dir(config: RunConfig, run_id: str) -> Path:
@@ -162,6 +151,18 @@ def should_evaluate(version: int, config: RunConfig) -> bool:
     )
 
 
+def choose_target(wanted: list[CommittedVersion], finished: bool) -> CommittedVersion:
+    """The version to evaluate next among `wanted` (oldest first, never empty).
+
+    Oldest first for a readable curve, but never fall behind by more than one: with
+    several waiting the newest goes next, unless the run has finished and there is time
+    for all of them.
+    """
+    if len(wanted) == 1 or finished:
+        return wanted[0]
+    return wanted[-1]
+
+
 def record(
     config: RunConfig,
     registry: CheckpointRegistry,
@@ -174,58 +175,64 @@ def record(
     registry.set_tag(version.policy_version, "eval.reward", f"{metrics['eval/reward']:.4f}")
 
 
-def evaluate_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
-    with contextlib.suppress(OSError):
-        os.nice(5)
-    paths = run_paths(config, run_id)
-    control = RunControl(config, paths)
-    control.install_signal_handlers()
-    status = StatusReporter(config, paths, "evaluate")
-    registry = run_registry(config, run_id)
-    done: dict[int, dict[str, Any]] = {
-        v.policy_version: {"eval/reward": float(v.tags["eval.reward"])}
-        for v in registry.versions()
-        if "eval.reward" in v.tags
-    }
-    history = sorted((v, m["eval/reward"]) for v, m in done.items())
-    while True:
-        finished = control.done_marker() is not None
-        versions = [v for v in registry.versions() if v.policy_version not in done]
-        wanted = [v for v in versions if should_evaluate(v.policy_version, config)]
-        if finished and not wanted:
-            # The run ended: make sure the newest version was evaluated, then leave.
-            latest = registry.latest()
-            if latest is not None and latest.policy_version not in done:
-                wanted = [latest]
-            else:
-                break
-        if not wanted:
-            status.update(state="waiting", last_reward=history[-1][1] if history else None)
-            control.sleep(config.rollout.poll_interval_s * 2)
-            if control._stop.is_set():
-                break
-            continue
-        # Oldest first for a readable curve, but never fall behind by more than one.
-        target = wanted[0] if len(wanted) == 1 else wanted[-1] if not finished else wanted[0]
-        metrics = evaluate_checkpoint(config, run_id, target.policy_version, target.checkpoint_uri)
-        record(config, registry, mlflow_run_id, target, metrics)
-        done[target.policy_version] = metrics
-        history.append((target.policy_version, metrics["eval/reward"]))
-        log.info(
-            "policy version %d: held-out reward %.3f", target.policy_version, metrics["eval/reward"]
-        )
-        status.update(
-            force=True,
-            state="running",
-            last_version=target.policy_version,
-            last_reward=metrics["eval/reward"],
-            history=history,
-        )
-        # Versions skipped in favour of a newer one are not evaluated later.
-        for v in wanted:
-            if v.policy_version < target.policy_version:
-                done.setdefault(v.policy_version, {"skipped": True})
-    status.update(force=True, state="stopped", history=history)
+class EvaluateRole(Role):
+    """Evaluates version 0, every `eval_every`-th version and the final one, as they land."""
+
+    name = "evaluate"
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            os.nice(5)
+        cfg, registry, control = self.config, self.registry, self.control
+        done: dict[int, dict[str, Any]] = {
+            v.policy_version: {"eval/reward": float(v.tags["eval.reward"])}
+            for v in registry.versions()
+            if "eval.reward" in v.tags
+        }
+        history = sorted((v, m["eval/reward"]) for v, m in done.items())
+        while True:
+            finished = control.done_marker() is not None
+            versions = [v for v in registry.versions() if v.policy_version not in done]
+            wanted = [v for v in versions if should_evaluate(v.policy_version, cfg)]
+            if finished and not wanted:
+                # The run ended: make sure the newest version was evaluated, then leave.
+                latest = registry.latest()
+                if latest is not None and latest.policy_version not in done:
+                    wanted = [latest]
+                else:
+                    break
+            if not wanted:
+                self.status.update(state="waiting", last_reward=history[-1][1] if history else None)
+                control.sleep(cfg.rollout.poll_interval_s * 2)
+                # Only a signal ends the wait early: the done marker means "evaluate the
+                # final version, then leave", which the top of the loop handles.
+                if control.stop_requested():
+                    break
+                continue
+            target = choose_target(wanted, finished)
+            metrics = evaluate_checkpoint(
+                cfg, self.run_id, target.policy_version, target.checkpoint_uri
+            )
+            record(cfg, registry, self.mlflow_run_id, target, metrics)
+            done[target.policy_version] = metrics
+            history.append((target.policy_version, metrics["eval/reward"]))
+            log.info(
+                "policy version %d: held-out reward %.3f",
+                target.policy_version,
+                metrics["eval/reward"],
+            )
+            self.status.update(
+                force=True,
+                state="running",
+                last_version=target.policy_version,
+                last_reward=metrics["eval/reward"],
+                history=history,
+            )
+            # Versions skipped in favour of a newer one are not evaluated later.
+            for v in wanted:
+                if v.policy_version < target.policy_version:
+                    done.setdefault(v.policy_version, {"skipped": True})
+        self.status.update(force=True, state="stopped", history=history)
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE, persist_result=False)

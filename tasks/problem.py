@@ -8,7 +8,6 @@ like with like).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engines.problems import DatasetProblem, Problem, get_problem
 from infra.config import RunConfig
 
-# Row fields that travel as their own stream columns; everything else rides in row_json.
-ROW_COLUMNS = ("prompt_id", "prompt", "answer", "task")
-
 
 def build_problem(config: RunConfig) -> Problem:
     if config.problem.dataset:
@@ -28,7 +24,8 @@ def build_problem(config: RunConfig) -> Problem:
     return get_problem(config.problem.name)
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+def load_policy_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a policy checkpoint, padding with EOS when it has no pad."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -64,16 +61,3 @@ class PromptSource:
         """The fixed held-out prompts every evaluation of the run uses."""
         rng = np.random.default_rng([self.config.seed, 2**31 - 1])
         return self.problem.sample_prompts(self.config.problem.num_eval_prompts, rng, "test")
-
-    @staticmethod
-    def row_json(row: dict[str, Any]) -> str:
-        return json.dumps({k: v for k, v in row.items() if k not in ROW_COLUMNS}, default=str)
-
-    @staticmethod
-    def row_from_columns(record: dict[str, Any]) -> dict[str, Any]:
-        """The verifier's view of a stream row: the prompt row as the dataset had it."""
-        row = {k: record.get(k) for k in ROW_COLUMNS}
-        extra = record.get("row_json")
-        if extra:
-            row.update(json.loads(extra))
-        return row

@@ -18,14 +18,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from engines.samples import score_table
 from engines.verifiers import load_verifier
+from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
-from infra.streams.errors import CorruptShardError
-from infra.streams.reader import StreamReader
-from infra.streams.writer import StreamWriter
-from tasks.common import ROLLOUTS, SCORED, RunControl, StatusReporter, run_paths, run_registry
-from tasks.problem import PromptSource, load_tokenizer
+from infra.streams.names import ShardRef
+from tasks.common import ROLLOUTS, SCORED
+from tasks.problem import load_policy_tokenizer
+from tasks.role import Role
 
 log = logging.getLogger("sluice.reward")
 
@@ -95,102 +97,66 @@ class VerifierPool:
             self._pool = None
 
 
-def score_table(
-    table: pa.Table, pool: VerifierPool, decode: Callable[[list[int]], str]
-) -> pa.Table:
-    records = table.select(["prompt_id", "prompt", "answer", "task", "row_json"]).to_pylist()
-    rows = [PromptSource.row_from_columns(r) for r in records]
-    texts = [decode(ids) for ids in table.column("response_token_ids").to_pylist()]
-    rewards = pool.score(rows, texts)
-    index = table.schema.get_field_index("reward")
-    return table.set_column(index, table.schema.field("reward"), pa.array(rewards, pa.float32()))
+class RewardRole(Role):
+    name = "reward"
 
+    def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str):
+        super().__init__(config, run_id, mlflow_run_id)
+        self.reader = self.stream_reader(ROLLOUTS, consumer="reward")
+        self.writer = self.stream_writer(SCORED, writer_id="reward")
+        self.scored_groups = self.scored_samples = 0
+        self.reward_sum = self.busy_s = 0.0
+        self.started = time.monotonic()
 
-def reward_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
-    paths = run_paths(config, run_id)
-    control = RunControl(config, paths)
-    control.install_signal_handlers()
-    status = StatusReporter(config, paths, "reward")
-    registry = run_registry(config, run_id)
-    first = None
-    while first is None and not control.should_stop():
-        first = registry.get(0) or registry.latest()
-        if first is None:
-            time.sleep(config.rollout.poll_interval_s)
-    if first is None:
-        return
-    from infra.checkpoints import fetch_checkpoint
+    def progress(self) -> dict[str, Any]:
+        return {
+            "groups_scored": self.scored_groups,
+            "reward_mean": self.reward_sum / max(1, self.scored_samples),
+            "busy_ratio": self.busy_s / max(1e-9, time.monotonic() - self.started),
+        }
 
-    local = fetch_checkpoint(
-        first.checkpoint_uri,
-        f"{config.workdir}/runs/{run_id}/reward-tokenizer",
-        storage_options=config.storage.options,
-    )
-    tokenizer = load_tokenizer(local)
+    def run(self) -> None:
+        cfg = self.config
+        first = self.wait_for_first_version()
+        # Every version carries the run's tokenizer; version 0's never changes, so a
+        # restarted role finds it in its cache instead of downloading the newest weights.
+        source = self.registry.get(0) or first
+        local = fetch_checkpoint(
+            source.checkpoint_uri,
+            self.local_dir("reward-tokenizer"),
+            storage_options=cfg.storage.options,
+        )
+        tokenizer = load_policy_tokenizer(local)
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
 
-    reader = StreamReader(
-        config.storage.url,
-        run_id,
-        ROLLOUTS,
-        consumer="reward",
-        storage_options=config.storage.options,
-    )
-    writer = StreamWriter(
-        config.storage.url,
-        run_id,
-        SCORED,
-        writer_id="reward",
-        storage_options=config.storage.options,
-    )
-    pool = VerifierPool(
-        config.reward.verifier,
-        config.reward.num_workers,
-        config.reward.timeout_s,
-        config.reward.correct_reward,
-        config.reward.incorrect_reward,
-    )
-    scored_groups = scored_samples = 0
-    reward_sum = 0.0
-    busy_s = 0.0
-    started = time.monotonic()
-    try:
-        while not control.should_stop():
-            refs = reader.poll()
-            if not refs:
-                status.update(
-                    state="waiting",
-                    groups_scored=scored_groups,
-                    reward_mean=reward_sum / max(1, scored_samples),
-                    busy_ratio=busy_s / max(1e-9, time.monotonic() - started),
-                )
-                control.sleep(config.rollout.poll_interval_s / 2)
-                continue
-            for ref in refs:
-                t0 = time.monotonic()
-                try:
-                    table = reader.read(ref)
-                except CorruptShardError as err:  # quarantined by the reader; the stream goes on
-                    log.error("%s", err)
-                    continue
-                scored = score_table(table, pool, decode)
-                writer.write(scored, shard_key=ref.name)
-                reader.ack([ref])
-                busy_s += time.monotonic() - t0
-                scored_groups += ref.num_groups
-                scored_samples += scored.num_rows
-                reward_sum += float(pa.compute.sum(scored.column("reward")).as_py() or 0.0)
-                status.update(
-                    state="running",
-                    groups_scored=scored_groups,
-                    reward_mean=reward_sum / max(1, scored_samples),
-                    verifier_timeouts=pool.timeouts,
-                    busy_ratio=busy_s / max(1e-9, time.monotonic() - started),
-                )
-                if control.should_stop():
-                    break
-    finally:
-        pool.close()
-        status.update(force=True, state="stopped", groups_scored=scored_groups)
+        pool = VerifierPool(
+            cfg.reward.verifier,
+            cfg.reward.num_workers,
+            cfg.reward.timeout_s,
+            cfg.reward.correct_reward,
+            cfg.reward.incorrect_reward,
+        )
+
+        def score(ref: ShardRef, table: pa.Table) -> None:
+            t0 = time.monotonic()
+            scored = score_table(table, pool.score, decode)
+            self.writer.write(scored, shard_key=ref.name)
+            self.reader.ack([ref])
+            self.busy_s += time.monotonic() - t0
+            self.scored_groups += ref.num_groups
+            self.scored_samples += scored.num_rows
+            self.reward_sum += float(pc.sum(scored.column("reward")).as_py() or 0.0)
+            self.status.update(state="running", verifier_timeouts=pool.timeouts, **self.progress())
+
+        def wait() -> None:
+            self.status.update(state="waiting", **self.progress())
+            self.control.sleep(cfg.rollout.poll_interval_s / 2)
+
+        self.started = time.monotonic()
+        try:
+            self.consume(self.reader, score, wait)
+        finally:
+            pool.close()
+            self.status.update(force=True, state="stopped", groups_scored=self.scored_groups)

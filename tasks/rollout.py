@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.groups import group_index_of, group_key, reissue_plan, resume_gate
+from engines.samples import group_rows, version_span
 from engines.staleness import StalenessGate
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
@@ -33,20 +35,15 @@ from infra.registry import CommittedVersion
 from infra.serving.client import InferenceClient
 from infra.streams.reader import StreamReader
 from infra.streams.schema import table_from_rows
-from infra.streams.writer import StreamWriter
-from tasks.common import (
-    ROLLOUTS,
-    RunControl,
-    StatusReporter,
-    group_index_of,
-    group_key,
-    run_paths,
-    run_registry,
-)
+from tasks.common import ROLLOUTS
 from tasks.inference_server import EmbeddedServer
-from tasks.problem import PromptSource, load_tokenizer
+from tasks.problem import PromptSource, load_policy_tokenizer
+from tasks.role import Role
 
 log = logging.getLogger("sluice.rollout")
+
+FIRST_VERSION_TIMEOUT_S = 600.0
+"""How long the rollout role waits for policy version 0 before it gives up."""
 
 
 @dataclass
@@ -60,7 +57,17 @@ class RolloutStats:
     update_time_s: float = 0.0
     partial_samples: int = 0
     max_version_span: int = 0
-    reward_hint: list[float] = field(default_factory=list)
+
+    def record_group(self, rows: list[dict[str, Any]]) -> None:
+        """Count one group written to the stream (`rows`: its samples)."""
+        self.groups_written += 1
+        self.samples_written += len(rows)
+        for r in rows:
+            self.tokens_generated += len(r["response_token_ids"])
+            span = version_span(r["token_versions"])
+            if span:  # a weight update landed while this response was being generated
+                self.partial_samples += 1
+                self.max_version_span = max(self.max_version_span, span)
 
     def as_status(self) -> dict[str, Any]:
         elapsed = max(1e-9, time.monotonic() - self.started_at)
@@ -77,15 +84,8 @@ class RolloutStats:
         }
 
 
-def committed_group_indices(config: RunConfig, run_id: str) -> set[int]:
+def committed_group_indices(reader: StreamReader) -> set[int]:
     """Group indices already durable in the rollouts stream (what a restart must not redo)."""
-    reader = StreamReader(
-        config.storage.url,
-        run_id,
-        ROLLOUTS,
-        consumer="rollout-rebase",
-        storage_options=config.storage.options,
-    )
     indices: set[int] = set()
     for ref in reader.committed():
         table = reader.read(ref)
@@ -93,41 +93,49 @@ def committed_group_indices(config: RunConfig, run_id: str) -> set[int]:
     return indices
 
 
-class Rollout:
-    """State of one rollout role process."""
+class RolloutRole(Role):
+    """State of one rollout role process; `server` is an embedded server already starting
+    (`tasks.inference_server.start_early`), stopped if the role fails to start."""
 
-    def __init__(self, config: RunConfig, run_id: str):
-        self.config = config
-        self.run_id = run_id
-        self.paths = run_paths(config, run_id)
-        self.control = RunControl(config, self.paths)
-        self.status = StatusReporter(config, self.paths, "rollout")
-        self.registry = run_registry(config, run_id)
-        self.cache_dir = Path(config.workdir) / "runs" / run_id / "rollout-weights"
-        self.writer = StreamWriter(
-            config.storage.url,
-            run_id,
-            ROLLOUTS,
-            writer_id=f"rollout-{os.getpid()}",
-            storage_options=config.storage.options,
-        )
-        self.prompts = PromptSource(config)
+    name = "rollout"
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run_id: str,
+        mlflow_run_id: str,
+        server: EmbeddedServer | None = None,
+    ):
+        self.server = server
+        try:
+            super().__init__(config, run_id, mlflow_run_id)
+            self.cache_dir = self.local_dir("rollout-weights")
+            self.writer = self.stream_writer(ROLLOUTS, writer_id=f"rollout-{os.getpid()}")
+            self.prompts = PromptSource(config)
+        except BaseException:
+            self.stop_server()
+            raise
         self.stats = RolloutStats()
-        self.server: EmbeddedServer | None = None
         self.current: CommittedVersion | None = None
 
-    # ------------------------------------------------------------ weights
+    def stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
-    def wait_for_first_version(self, timeout_s: float = 600.0) -> CommittedVersion:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            latest = self.registry.latest()
-            if latest is not None:
-                return latest
-            if self.control.should_stop():
-                raise SystemExit(0)
-            time.sleep(self.config.rollout.poll_interval_s)
-        raise TimeoutError("no committed policy version appeared in the registry")
+    def run(self) -> None:
+        log.info(
+            "rollout %s starting (η=%d, interruptible=%s)",
+            uuid.uuid4().hex[:6],
+            self.config.staleness.max_staleness,
+            self.config.rollout.interruptible,
+        )
+        try:
+            asyncio.run(self.generate())
+        finally:
+            self.stop_server()
+
+    # ------------------------------------------------------------ weights
 
     def fetch(self, version: CommittedVersion) -> Path:
         # One digest-keyed cache for every version; keep the served weights and the next.
@@ -178,55 +186,25 @@ class Rollout:
             "top_k": cfg.top_k,
         }
         results = await client.generate_group(prompt_ids, cfg.group_size, sampling)
-        rows = []
-        for k, result in enumerate(results):
-            rows.append(
-                {
-                    "sample_id": f"{group_key(index)}-{k:03d}",
-                    "group_id": group_key(index),
-                    "prompt_id": str(row["prompt_id"]),
-                    "prompt_token_ids": prompt_ids,
-                    "response_token_ids": list(result.output_ids),
-                    "behaviour_logprobs": list(result.behaviour_logprobs),
-                    "token_versions": list(result.token_versions),
-                    "finish_reason": result.finish_reason,
-                    "reward": None,
-                    "task": str(row.get("task", "")),
-                    "worker": self.writer.writer_id,
-                    "prompt": str(row["prompt"]),
-                    "answer": str(row.get("answer", "")),
-                    "row_json": self.prompts.row_json(row),
-                }
-            )
-        return rows
+        return group_rows(index, row, prompt_ids, results, self.writer.writer_id)
 
     def write_group(self, index: int, rows: list[dict[str, Any]]) -> None:
         table = table_from_rows(rows, stream=ROLLOUTS)
         self.writer.write(table, shard_key=group_key(index))
-        self.stats.groups_written += 1
-        self.stats.samples_written += len(rows)
-        for r in rows:
-            self.stats.tokens_generated += len(r["response_token_ids"])
-            versions = r["token_versions"]
-            if versions and max(versions) != min(versions):
-                self.stats.partial_samples += 1
-                self.stats.max_version_span = max(
-                    self.stats.max_version_span, max(versions) - min(versions)
-                )
+        self.stats.record_group(rows)
 
     # ------------------------------------------------------------ main loop
 
-    async def run(self) -> None:
+    async def generate(self) -> None:
         cfg = self.config
-        self.current = self.wait_for_first_version()
+        self.current = self.wait_for_first_version(timeout_s=FIRST_VERSION_TIMEOUT_S)
         local = self.fetch(self.current)
-        self.prompts.set_tokenizer(load_tokenizer(local))
+        self.prompts.set_tokenizer(load_policy_tokenizer(local))
         early = self.server
         if early is not None and early.weight_version != self.current.policy_version:
             # Started from the flow's start document; the registry moved on since.
             log.info("early server holds version %d; restarting", early.weight_version)
-            early.stop()
-            self.server = None
+            self.stop_server()
         urls = list(cfg.rollout.server_urls)
         if urls and cfg.rollout.weight_noise_std:
             # An external server loads clean weights; running on would measure no
@@ -239,10 +217,7 @@ class Rollout:
             urls = [self.server.url]
         elif not urls:
             self.server = EmbeddedServer(
-                cfg,
-                local,
-                self.current.policy_version,
-                Path(cfg.workdir) / "runs" / self.run_id / "logs",
+                cfg, local, self.current.policy_version, self.local_dir("logs")
             )
             urls = [self.server.url]
         client = InferenceClient(urls, timeout_s=cfg.rollout.request_timeout_s)
@@ -253,32 +228,18 @@ class Rollout:
             await self._loop(client)
         finally:
             await client.aclose()
-            if self.server is not None:
-                self.server.stop()
-
-    def resume_gate(self, written: set[int]) -> StalenessGate:
-        """Re-base admission from durable state so a restart never bursts past the bound."""
-        cfg = self.config
-        version = self.current.policy_version if self.current else 0
-        # Every trainer step consumes exactly B groups (B is a multiple of the shard
-        # size), so the committed version says how many groups training has taken.
-        consumed = min(len(written), version * cfg.trainer.prompts_per_batch)
-        return StalenessGate.resume(
-            cfg.trainer.prompts_per_batch,
-            cfg.staleness.max_staleness,
-            committed_version=version,
-            groups_in_stream=len(written),
-            groups_consumed=consumed,
-        )
 
     async def _loop(self, client: InferenceClient) -> None:
         cfg = self.config
-        written = committed_group_indices(cfg, self.run_id)
-        next_index = max(written) + 1 if written else 0
-        # Groups below the high-water mark that never reached the stream were in flight
-        # when the previous process died: re-issue them with the same index and prompt.
-        reissue = sorted(set(range(next_index)) - written)
-        gate = self.resume_gate(written)
+        written = committed_group_indices(self.stream_reader(ROLLOUTS, consumer="rollout-rebase"))
+        next_index, reissue = reissue_plan(written)
+        # Re-based from durable state, so a restart never bursts past the bound.
+        gate = resume_gate(
+            len(written),
+            self.current.policy_version if self.current else 0,
+            cfg.trainer.prompts_per_batch,
+            cfg.staleness.max_staleness,
+        )
         if reissue:
             log.info("re-issuing %d groups that were in flight before the restart", len(reissue))
         max_in_flight = max(1, (2 * cfg.rollout.max_batch_size) // cfg.rollout.group_size)
@@ -337,24 +298,3 @@ class Rollout:
             groups_in_flight=gate.in_flight,
             **self.stats.as_status(),
         )
-
-
-def rollout_loop(
-    config: RunConfig, run_id: str, mlflow_run_id: str, server: EmbeddedServer | None = None
-) -> None:
-    """The rollout role; `server` is an embedded server already starting (`start_early`)."""
-    try:
-        rollout = Rollout(config, run_id)
-    except BaseException:
-        if server is not None:
-            server.stop()
-        raise
-    rollout.server = server
-    rollout.control.install_signal_handlers()
-    log.info(
-        "rollout %s starting (η=%d, interruptible=%s)",
-        uuid.uuid4().hex[:6],
-        config.staleness.max_staleness,
-        config.rollout.interruptible,
-    )
-    asyncio.run(rollout.run())

@@ -30,151 +30,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import torch
 
-from engines.advantages import make_advantage_fn
-from engines.loss import make_policy_loss
-from engines.rollout_correction import make_rollout_correction
-from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
-from infra.checkpoints import fetch_checkpoint, save_checkpoint
+from engines.groups import GroupBuffer, group_key
+from engines.samples import samples_from_table, staleness_stats
+from engines.trainer import PolicyTrainer, TrainingSample
+from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
-from infra.streams.errors import CorruptShardError
+from infra.registry import CommittedVersion
 from infra.streams.names import ShardRef, shard_key_tag
 from infra.streams.reader import StreamReader
 from infra.tracking import log_metrics
-from tasks.common import (
-    ROLLOUTS,
-    SCORED,
-    Background,
-    RunControl,
-    StatusReporter,
-    group_index_of,
-    group_key,
-    read_json,
-    read_statuses,
-    run_paths,
-    run_registry,
-)
+from tasks.common import ROLLOUTS, SCORED, Background, read_json, read_statuses
+from tasks.role import StopRequested
+from tasks.training import TrainingRole, advantage_fn, build_trainer
 
 log = logging.getLogger("sluice.train")
 CONSUMED_FILE = "consumed_shards.json"
 LOST_CHECK_INTERVAL_S = 5.0
 """How often a trainer waiting on missing groups checks whether they were quarantined."""
-
-
-def trainer_settings(config: RunConfig) -> TrainerSettings:
-    t = config.trainer
-    return TrainerSettings(
-        lr=t.lr,
-        adam_betas=t.adam_betas,
-        adam_eps=t.adam_eps,
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-        temperature=config.rollout.temperature,
-        ppo_minibatches=t.ppo_minibatches,
-        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-        min_micro_batches=t.min_micro_batches,
-        seed=config.seed,
-    )
-
-
-def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
-    t = config.trainer
-    correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
-    device = (
-        "cuda"
-        if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
-    return PolicyTrainer(
-        model_dir,
-        trainer_settings(config),
-        make_policy_loss(**t.loss.model_dump()),
-        correction,
-        device=device,
-        decoupled=t.loss.decoupled,
-    )
-
-
-def samples_from_table(
-    table: pa.Table, config: RunConfig
-) -> tuple[list[TrainingSample], dict[str, float]]:
-    """Group advantages, then one TrainingSample per response."""
-    advantage_fn = make_advantage_fn(**config.trainer.advantage.model_dump())
-    rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
-    group_names = table.column("group_id").to_pylist()
-    codes = {g: i for i, g in enumerate(dict.fromkeys(group_names))}
-    result = advantage_fn(
-        torch.as_tensor(rewards), group_ids=torch.tensor([codes[g] for g in group_names])
-    )
-    prompts = table.column("prompt_token_ids").to_pylist()
-    responses = table.column("response_token_ids").to_pylist()
-    behaviour = table.column("behaviour_logprobs").to_pylist()
-    keep = result.keep_samples.tolist()
-    samples = [
-        TrainingSample(prompts[i], responses[i], behaviour[i], float(result.advantages[i]))
-        for i in range(table.num_rows)
-        if keep[i]
-    ]
-    lengths = np.array([len(r) for r in responses])
-    stats = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()),
-        "reward/zero_variance_groups": float(result.zero_variance_groups.sum()),
-        "reward/groups": float(len(codes)),
-        **gradient_sources(rewards, result.group_index.numpy(), result.advantages.numpy()),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/length_p50": float(np.percentile(lengths, 50)),
-        "response/truncated_fraction": float(
-            np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])
-        ),
-    }
-    return samples, stats
-
-
-def gradient_sources(
-    rewards: np.ndarray, group_index: np.ndarray, advantages: np.ndarray
-) -> dict[str, float]:
-    """Where a batch's policy gradient can come from, group by group.
-
-    A group whose responses all scored the same carries no advantage: `all_wrong`
-    groups are prompts the policy cannot solve yet, `all_right` ones it has mastered.
-    Only `mixed` groups move the policy; among their samples, the positive ones
-    reinforce what worked and the negative ones push down what failed.
-    """
-    num_groups = int(group_index.max()) + 1 if group_index.size else 0
-    lowest = np.full(num_groups, np.inf)
-    highest = np.full(num_groups, -np.inf)
-    np.minimum.at(lowest, group_index, rewards)
-    np.maximum.at(highest, group_index, rewards)
-    flat = lowest == highest
-    best = rewards.max() if rewards.size else 0.0
-    all_right = flat & (highest >= best) & (best > rewards.min())
-    return {
-        "grad/mixed_groups": float((~flat).sum()),
-        "grad/all_wrong_groups": float((flat & ~all_right & (highest <= rewards.min())).sum()),
-        "grad/all_right_groups": float(all_right.sum()),
-        "grad/positive_samples": float((advantages > 0).sum()),
-        "grad/negative_samples": float((advantages < 0).sum()),
-    }
-
-
-def staleness_stats(table: pa.Table, policy_version: int) -> dict[str, float]:
-    """How many versions behind the weights being updated each sample was generated."""
-    start = table.column("version_start").to_numpy(zero_copy_only=False).astype(np.int64)
-    end = table.column("version_end").to_numpy(zero_copy_only=False).astype(np.int64)
-    lag = policy_version - start
-    return {
-        "staleness/min": float(lag.min()),
-        "staleness/mean": float(lag.mean()),
-        "staleness/max": float(lag.max()),
-        "staleness/stale_samples": float((lag > 0).sum()),
-        "rollout/partial_ratio": float((end != start).mean()),
-        "rollout/max_version_span": float((end - start).max()),
-    }
 
 
 def lost_groups(rollouts: StreamReader, scored: StreamReader, indices: list[int]) -> list[int]:
@@ -198,104 +72,24 @@ def lost_groups(rollouts: StreamReader, scored: StreamReader, indices: list[int]
     return lost
 
 
-class GroupBuffer:
-    """Scored prompt groups keyed by issue number; batch k is numbers kB .. kB+B-1.
+class TrainRole(TrainingRole):
+    name = "train"
 
-    Shards are acknowledged whole, so a shard is handed back for acking only once
-    every group in it has been trained (or dropped as already trained before a
-    restart, or as a duplicate).
-    """
-
-    def __init__(self, prompts_per_batch: int) -> None:
-        self.prompts_per_batch = prompts_per_batch
-        self._groups: dict[int, pa.Table] = {}
-        self._shard_of: dict[int, str] = {}
-        self._open: dict[str, set[int]] = {}
-        self._refs: dict[str, ShardRef] = {}
-        self._done: list[ShardRef] = []
-
-    def indices(self, step: int) -> range:
-        return range(step * self.prompts_per_batch, (step + 1) * self.prompts_per_batch)
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-    def add(self, ref: ShardRef, table: pa.Table, step: int) -> list[str]:
-        """File a shard's groups for their batches; returns warnings for dropped groups.
-
-        Groups numbered below ``step * B`` were trained before (a restart between the
-        commit and the ack of a shard that spans batches) and are dropped, as is a
-        second copy of a group already held. A group id that is not a Sluice id is a
-        ValueError: the stream was written by something else.
-        """
-        names = table.column("group_id").to_pylist()
-        by_index: dict[int, list[int]] = {}
-        for row, name in enumerate(names):
-            by_index.setdefault(group_index_of(str(name)), []).append(row)
-        warnings = []
-        kept: set[int] = set()
-        for index, rows in by_index.items():
-            if index < step * self.prompts_per_batch:
-                warnings.append(f"{group_key(index)} in {ref.name} was trained before; skipped")
-            elif index in self._groups:
-                warnings.append(
-                    f"{group_key(index)} in {ref.name} duplicates one from "
-                    f"{self._shard_of[index]}; skipped"
-                )
-            else:
-                self._groups[index] = table.take(rows)
-                self._shard_of[index] = ref.name
-                kept.add(index)
-        if kept:
-            self._open[ref.name] = kept
-            self._refs[ref.name] = ref
-        else:
-            self._done.append(ref)
-        return warnings
-
-    def missing(self, step: int) -> list[int]:
-        return [i for i in self.indices(step) if i not in self._groups]
-
-    def take(self, step: int) -> tuple[pa.Table | None, list[ShardRef]]:
-        """Batch `step` (the groups present, in issue order) and the shards it completes."""
-        tables = []
-        for index in self.indices(step):
-            table = self._groups.pop(index, None)
-            if table is None:
-                continue
-            tables.append(table)
-            name = self._shard_of.pop(index)
-            self._open[name].discard(index)
-            if not self._open[name]:
-                del self._open[name]
-                self._done.append(self._refs.pop(name))
-        done, self._done = self._done, []
-        if not tables:
-            return None, done
-        return pa.concat_tables(tables, promote_options="permissive"), done
-
-
-class TrainRole:
     def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str):
-        self.config = config
-        self.run_id = run_id
-        self.mlflow_run_id = mlflow_run_id
-        self.paths = run_paths(config, run_id)
-        self.control = RunControl(config, self.paths)
-        self.status = StatusReporter(config, self.paths, "train")
-        self.registry = run_registry(config, run_id)
-        self.local_root = Path(config.workdir) / "runs" / run_id / "trainer"
-        self.reader = StreamReader(
-            config.storage.url,
-            run_id,
-            SCORED,
-            consumer="trainer",
-            storage_options=config.storage.options,
-        )
-        self.buffer = GroupBuffer(config.trainer.prompts_per_batch)
+        super().__init__(config, run_id, mlflow_run_id)
+        self.local_root = self.local_dir("trainer")
+        self.reader = self.stream_reader(SCORED, consumer="trainer")
+        self.buffer: GroupBuffer[ShardRef] = GroupBuffer(config.trainer.prompts_per_batch)
+        self.advantages = advantage_fn(config)
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-commit")
         self._pending: tuple[int, list[ShardRef], Path] | None = None
+
+    def start_version(self) -> CommittedVersion:
+        """The newest durable version (alias repaired), its consumed shards acked."""
+        latest = super().start_version()
+        self.reconcile_ledger(latest.checkpoint_uri)
+        return latest
 
     def reconcile_ledger(self, checkpoint_uri: str) -> None:
         """Ack what the committed version consumed, in case the last run died before acking."""
@@ -315,54 +109,47 @@ class TrainRole:
 
         Returns the table (None when every group of the batch was lost), the shards
         completed by it, the seconds spent waiting, and the issue numbers found lost.
+        Raises StopRequested when told to stop first.
         """
         waited = 0.0
         last_check = time.monotonic()
-        while True:
-            missing = self.buffer.missing(step)
-            if not missing:
-                lost: list[int] = []
-                break
-            if self.control.should_stop():
-                raise InterruptedError
-            refs = self.reader.poll()
-            for ref in refs:
-                try:
-                    table = self.reader.read(ref)
-                except CorruptShardError as err:  # quarantined; its groups count as lost
-                    log.error("%s", err)
-                    continue
-                for warning in self.buffer.add(ref, table, step):
-                    log.warning("%s", warning)
-            if refs:
-                continue
+        lost: list[int] = []
+
+        def file_shard(ref: ShardRef, table: pa.Table) -> None:
+            for warning in self.buffer.add(ref, table, step):
+                log.warning("%s", warning)
+
+        def wait_a_little() -> None:
+            nonlocal waited, last_check, lost
             t0 = time.monotonic()
             self.control.sleep(0.05)
             waited += time.monotonic() - t0
-            if time.monotonic() - last_check >= LOST_CHECK_INTERVAL_S:
-                last_check = time.monotonic()
-                lost = lost_groups(self.rollouts_audit(), self.reader, missing)
-                if len(lost) == len(missing):
-                    log.error(
-                        "step %d goes on without %d group(s) lost to corrupt shards: %s",
-                        step,
-                        len(lost),
-                        ", ".join(group_key(i) for i in lost),
-                    )
-                    break
+            if time.monotonic() - last_check < LOST_CHECK_INTERVAL_S:
+                return
+            last_check = time.monotonic()
+            missing = self.buffer.missing(step)
+            found = lost_groups(self.rollouts_audit(), self.reader, missing)
+            if found and len(found) == len(missing):
+                log.error(
+                    "step %d goes on without %d group(s) lost to corrupt shards: %s",
+                    step,
+                    len(found),
+                    ", ".join(group_key(i) for i in found),
+                )
+                lost = found
+
+        def complete() -> bool:
+            return bool(lost) or not self.buffer.missing(step)
+
+        if not self.consume(self.reader, file_shard, wait_a_little, done=complete):
+            raise StopRequested
         table, done = self.buffer.take(step)
         return table, done, waited, lost
 
     def rollouts_audit(self) -> StreamReader:
         """A reader of the rollouts stream that only looks (it never reads or acks)."""
         if self._rollouts is None:
-            self._rollouts = StreamReader(
-                self.config.storage.url,
-                self.run_id,
-                ROLLOUTS,
-                consumer="trainer-audit",
-                storage_options=self.config.storage.options,
-            )
+            self._rollouts = self.stream_reader(ROLLOUTS, consumer="trainer-audit")
         return self._rollouts
 
     def publish(
@@ -382,17 +169,8 @@ class TrainRole:
             shutil.rmtree(local)
         trainer.save(local, extra={"policy_version": version})
         (local / CONSUMED_FILE).write_text(json.dumps([r.name for r in consumed]))
-        self.background.submit(self._commit, local, version, tags)
+        self.background.submit(self.commit_version, local, version, tags)
         self._pending = (version, consumed, local)
-
-    def _commit(self, local: Path, version: int, tags: dict[str, Any]) -> str:
-        uri = save_checkpoint(
-            local, self.paths.checkpoint(version), storage_options=self.config.storage.options
-        )
-        self.registry.commit(
-            version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
-        )
-        return uri
 
     def finish_publish(self) -> None:
         """Wait for the pending commit (and metric logging), then ack what it consumed."""
@@ -409,14 +187,7 @@ class TrainRole:
 
     def run(self) -> None:
         cfg = self.config
-        latest = None
-        while latest is None:
-            if self.control.should_stop():
-                return
-            latest = self.registry.latest()
-            if latest is None:
-                time.sleep(cfg.rollout.poll_interval_s)
-        self.reconcile_ledger(latest.checkpoint_uri)
+        latest = self.start_version()
         init_dir = fetch_checkpoint(
             latest.checkpoint_uri, self.local_root / "init", storage_options=cfg.storage.options
         )
@@ -433,7 +204,7 @@ class TrainRole:
         while version < total:
             try:
                 table, refs, waited, lost = self.next_batch(version)
-            except InterruptedError:
+            except StopRequested:
                 break
             waited_total += waited
             if table is None:  # every group of this batch was lost: the version moves on
@@ -442,7 +213,7 @@ class TrainRole:
                     k: float("nan") for k in ("reward/mean", "staleness/mean", "staleness/max")
                 }
             else:
-                samples, stats = samples_from_table(table, cfg)
+                samples, stats = samples_from_table(table, self.advantages)
                 stats.update(staleness_stats(table, version))
             stats["train/lost_groups"] = float(len(lost))
             metrics = trainer.train_step(samples) if samples else {}
@@ -487,14 +258,4 @@ class TrainRole:
             )
         self.finish_publish()
         self.background.close()
-        if version >= total:
-            self.control.mark_done(f"trained {total} steps")
-        self.status.update(
-            force=True, state="finished" if version >= total else "stopped", step=version
-        )
-
-
-def train_loop(config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
-    role = TrainRole(config, run_id, mlflow_run_id)
-    role.control.install_signal_handlers()
-    role.run()
+        self.finish(version)

@@ -31,19 +31,19 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.inference_server import start_early
 
         server = start_early(config, args.run_id)
-        from tasks.rollout import rollout_loop
+        from tasks.rollout import RolloutRole
 
-        rollout_loop(config, args.run_id, args.mlflow_run_id, server=server)
+        RolloutRole.main(config, args.run_id, args.mlflow_run_id, server=server)
         return 0
-    elif args.role == "reward":
-        from tasks.reward import reward_loop as loop
+    if args.role == "reward":
+        from tasks.reward import RewardRole as role
     elif args.role == "train":
-        from tasks.train import train_loop as loop
+        from tasks.train import TrainRole as role
     elif args.role == "sync":
-        from tasks.sync import sync_loop as loop
+        from tasks.sync import SyncRole as role
     else:
-        from tasks.evaluate import evaluate_loop as loop
-    loop(config, args.run_id, args.mlflow_run_id)
+        from tasks.evaluate import EvaluateRole as role
+    role.main(config, args.run_id, args.mlflow_run_id)
     return 0
 
 

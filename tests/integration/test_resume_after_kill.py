@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from engines.groups import group_index_of
 from infra.config import load_config
 from infra.registry import CheckpointRegistry
 from infra.streams.reader import StreamReader
 from infra.tracking import start_or_resume_run
-from tasks.common import group_index_of, read_statuses, registered_model_name, run_paths
+from tasks.common import read_statuses, registered_model_name, run_paths
 from tasks.prepare import ensure_version_zero
 from tasks.supervise import role_command
 from tests.flows.conftest import tiny_run_overrides

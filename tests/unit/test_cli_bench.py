@@ -61,7 +61,10 @@ def test_study_options_that_cannot_apply_fail_with_one_line(argv, message, capsy
 def test_bench_time_to_target_hands_its_options_to_the_benchmark(monkeypatch):
     calls = []
     fake = types.ModuleType("flows.time_to_target")
-    fake.run_from_cli = lambda config, overrides, **options: calls.append(options) or 0
+    fake.TTT_DEFAULTS = {}
+    fake.bench_time_to_target = lambda config, contenders, **options: calls.append(
+        {"contenders": contenders, **options}
+    )
     monkeypatch.setitem(sys.modules, "flows.time_to_target", fake)
     argv = ["bench", "time-to-target", "--variant", "sync", "--variant", "async η=4"]
     assert main([*argv, "--seeds", "2", "--horizon", "90", "--delta", "0.1"]) == 0
@@ -73,7 +76,11 @@ def test_bench_time_to_target_hands_its_options_to_the_benchmark(monkeypatch):
 def test_bench_determinism_hands_config_and_overrides_to_flows_determinism(monkeypatch):
     calls = []
     fake = types.ModuleType("flows.determinism")
-    fake.run_from_cli = lambda config, overrides: calls.append((config, overrides)) or 0
+    fake.DEFAULT_STEPS = 5
+    fake.apply_check_defaults = lambda config, overrides: (
+        calls.append((config, overrides)) or config
+    )
+    fake.determinism_check = lambda config, steps: {"matched": True}
     monkeypatch.setitem(sys.modules, "flows.determinism", fake)
     assert main(["bench", "determinism", "--set", "trainer.total_steps=3"]) == 0
     ((config, overrides),) = calls

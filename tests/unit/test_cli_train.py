@@ -22,6 +22,17 @@ def test_resume_of_an_unknown_run_fails_with_one_line_naming_it(tmp_path, capsys
     assert len(err) == 1 and "run 'nope-123' not found" in err[0]
 
 
+def test_sync_with_resume_is_refused_with_one_line_before_anything_runs(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    saved = load_config("default", [f"workdir={tmp_path}"])
+    (run_dir / "config.json").write_text(json.dumps(saved.model_dump(mode="json")))
+    code = main(["train", "--sync", "--resume", "r1", "--set", f"workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "--resume" in err[0] and "--sync" in err[0]
+
+
 def test_resume_loads_the_runs_own_config_then_the_overrides(tmp_path):
     from flows.cli import parse
 

@@ -113,7 +113,7 @@ def test_next_steps_name_the_run_command_and_the_ui(deployments):
 def test_serve_from_cli_serves_the_built_deployments(no_api, monkeypatch, capsys):
     import prefect
 
-    from flows.deployments import serve_from_cli
+    from flows.cli import run_serve as serve_from_cli
 
     served = []
     monkeypatch.setattr(prefect, "serve", lambda *d, **kwargs: served.extend(d))

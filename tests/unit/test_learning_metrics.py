@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tasks.evaluate import reward_by_size
-from tasks.train import gradient_sources
+from engines.evaluation import reward_by_size
+from engines.samples import gradient_sources
 
 
 def test_gradient_sources_tell_mixed_groups_from_all_wrong_and_all_right_ones():

@@ -1,0 +1,204 @@
+"""What both training flows do around their roles: name the run, write its resolved
+config, start one Prefect task per role, and watch their progress until they end.
+
+`train` (flows/train.py) and `train_sync` (flows/train_sync.py) share all of it: the
+colocated sync loop writes the same `train` status document as the async train role.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from infra.config import RunConfig
+from tasks.common import RunControl, read_statuses, run_paths
+from tasks.launch import close_launcher, warm_launcher
+from tasks.supervise import run_role
+
+ROLE_TASK_NAMES = {
+    "rollout": "generate-rollouts",
+    "reward": "score-rollouts",
+    "train": "train-policy",
+    "evaluate": "evaluate-policy",
+}
+
+
+@contextmanager
+def role_launcher() -> Iterator[None]:
+    """The role launcher of one flow run: started now, so the roles' imports overlap the
+    run's set-up, and closed when the roles have ended or the flow fails before them.
+    A launcher left running would start the next run's roles with its own imports and
+    environment (PYTHONPATH included), and that run's clock would not carry its start-up.
+    """
+    warm_launcher()
+    try:
+        yield
+    finally:
+        close_launcher()
+
+
+def new_run_id(config: RunConfig) -> str:
+    return f"{config.name}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+
+
+def write_resolved_config(config: RunConfig, run_id: str) -> Path:
+    path = Path(config.workdir) / "runs" / run_id / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+    return path
+
+
+def format_duration(seconds: float) -> str:
+    """12s, 8m20s, 1h05m: short enough for a progress line."""
+    whole = max(0, round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def seconds_left(steps_done: int, seconds_for_steps: float, steps_left: int) -> float | None:
+    """Seconds to the last step at the pace so far; None until a step has been timed.
+
+    `steps_done` steps took `seconds_for_steps`; `steps_left` remain.
+    """
+    if steps_done <= 0 or seconds_for_steps <= 0:
+        return None
+    return max(0, steps_left) * seconds_for_steps / steps_done
+
+
+class StepPace:
+    """The training pace seen in the train role's status documents, for the ETA.
+
+    The clock starts at the first step completed while watching, not at the flow's
+    start: model loading and (async) the rollout pipeline filling up happen once and
+    would stretch every estimate. Steps are timed by the `updated_at` the role stamps on
+    its document right after a step, so the watch's 5 s polling adds no error and a role
+    on another machine with a skewed clock still measures its own durations.
+    """
+
+    def __init__(self) -> None:
+        self._last_step: int | None = None
+        self._start_step = 0
+        self._first: tuple[int, float] | None = None
+        self._latest: tuple[int, float] | None = None
+
+    def observe(self, train_status: dict[str, Any]) -> None:
+        step, at = train_status.get("step"), train_status.get("updated_at")
+        if step is None or at is None:
+            return
+        if self._last_step is None or step < self._last_step:
+            # The first document seen may be stale (the run before a resume) or a
+            # start-up write; a step number going down is a role re-training from its
+            # last committed version. Either way, time only steps completed after it.
+            self._start_step, self._first, self._latest = step, None, None
+        self._last_step = step
+        # Only documents written right after a step carry `wall_time_s`.
+        if step <= self._start_step or "wall_time_s" not in train_status:
+            return
+        if self._first is None or self._latest is None:
+            self._first = self._latest = (step, at)
+        elif step > self._latest[0]:
+            self._latest = (step, at)
+
+    def eta_s(self, total_steps: int) -> float | None:
+        if self._first is None or self._latest is None:
+            return None
+        (first_step, first_at), (step, at) = self._first, self._latest
+        return seconds_left(step - first_step, at - first_at, total_steps - step)
+
+
+def progress_line(
+    statuses: dict[str, dict[str, Any]],
+    total_steps: int,
+    elapsed_s: float | None = None,
+    eta_s: float | None = None,
+) -> str:
+    train = statuses.get("train", {})
+    rollout = statuses.get("rollout", {})
+    evaluation = statuses.get("evaluate", {})
+
+    def fmt(value: Any, spec: str = ".3f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    def duration(seconds: float | None) -> str:
+        return "-" if seconds is None else format_duration(seconds)
+
+    return (
+        f"step {train.get('step', 0)}/{total_steps}"
+        f" | elapsed {duration(elapsed_s)} | ETA {duration(eta_s)}"
+        f" | version {rollout.get('policy_version', '-')}"
+        f" | reward {fmt(train.get('reward_mean'))}"
+        f" | held-out {fmt(evaluation.get('last_reward'))}"
+        f" | staleness {fmt(train.get('staleness_mean'), '.2f')}"
+        f" | gen {fmt(rollout.get('tokens_per_s'), '.0f')} tok/s"
+        f" | train {fmt(train.get('trained_tokens_per_s'), '.0f')} tok/s"
+    )
+
+
+def run_roles(roles: list[str], task_names: dict[str, str], *args: Any) -> dict[str, Any]:
+    """One Prefect task per role, each supervising its own OS process."""
+    return {
+        role: run_role.with_options(name=task_names[role]).submit(role, *args) for role in roles
+    }
+
+
+def watch_progress(
+    config: RunConfig,
+    run_id: str,
+    futures: dict[str, Any],
+    interval_s: float = 5.0,
+    started: float | None = None,
+) -> None:
+    """Console line and Prefect progress artifact until every role has finished.
+
+    Serves both flows: the synchronous loop writes the same `train` status document.
+    `started` (time.monotonic() at the flow's start) is when `trainer.time_budget_s`
+    began to run out; when it has, the roles are told to stop.
+    """
+    paths = run_paths(config, run_id)
+    total = config.trainer.total_steps
+    budget = config.trainer.time_budget_s
+    artifact_id = create_progress_artifact(0.0, key=None, description=f"Sluice run {run_id}")
+    started = time.monotonic() if started is None else started
+    pace = StepPace()
+    last_state = ""
+    control = RunControl(config, paths)
+    while not all(f.state.is_final() for f in futures.values()):
+        time.sleep(interval_s if budget is None else min(interval_s, 0.5))
+        if budget is not None and time.monotonic() - started >= budget:
+            if control.done_marker() is None:
+                control.mark_done(f"time budget of {budget:g} s reached")
+            budget = None
+        statuses = read_statuses(config, paths)
+        train = statuses.get("train", {})
+        pace.observe(train)
+        step = train.get("step", 0)
+        elapsed, eta = time.monotonic() - started, pace.eta_s(total)
+        if config.trainer.time_budget_s is not None:  # the budget ends the run first
+            left = max(0.0, config.trainer.time_budget_s - elapsed)
+            eta = left if eta is None else min(eta, left)
+        update_progress_artifact(
+            artifact_id,
+            progress=100.0 * min(step, total) / total,
+            description=(
+                f"Sluice run {run_id}: step {step}/{total}, elapsed {format_duration(elapsed)}"
+                f", ETA {'-' if eta is None else format_duration(eta)}"
+            ),
+        )
+        # Printed when the roles report something new, not on every tick of the clock.
+        state = progress_line(statuses, total)
+        if state != last_state:
+            print(progress_line(statuses, total, elapsed, eta), flush=True)
+            last_state = state
+        failed = [r for r, f in futures.items() if f.state.is_failed()]
+        if failed:  # one role failed for good: stop the others so the run ends
+            control.mark_done(f"role failed: {', '.join(failed)}")

@@ -1,0 +1,142 @@
+"""The one shape every long-lived role has: a `Role` subclass with a `run()` method.
+
+The base gives a role the run's locations (`paths`, `local_dir`), its stop control
+(SIGTERM/SIGINT and the run's `done` marker), its status document, the run's checkpoint
+registry, one wait for the first committed policy version that a stop interrupts
+(`wait_for_first_version`), and one loop that consumes a stream shard by shard
+(`consume`). `Role.main` is what a role process runs: build the role, install the
+signal handlers, run it. A stop that arrives while the role waits raises
+`StopRequested`, which ends the role cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infra.config import RunConfig
+from infra.streams.errors import CorruptShardError
+from infra.streams.names import ShardRef
+from infra.streams.reader import StreamReader
+from infra.streams.writer import StreamWriter
+from tasks.common import RunControl, StatusReporter, run_paths, run_registry
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from infra.registry import CommittedVersion
+
+log = logging.getLogger("sluice")
+
+
+class StopRequested(Exception):
+    """The role was told to stop (a signal, or the run's done marker) while it waited."""
+
+
+class Role:
+    """One long-lived role of one run; subclasses set `name` and write `run()`."""
+
+    name = "role"
+    """The status document the role writes (`_status/{name}.json`)."""
+
+    def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.mlflow_run_id = mlflow_run_id
+        self.paths = run_paths(config, run_id)
+        self.control = RunControl(config, self.paths)
+        self.status = StatusReporter(config, self.paths, self.name)
+        self.registry = run_registry(config, run_id)
+
+    @classmethod
+    def main(cls, config: RunConfig, run_id: str, mlflow_run_id: str, **options: Any) -> None:
+        """A role process: build the role, stop it on SIGTERM/SIGINT, run it."""
+        role = cls(config, run_id, mlflow_run_id, **options)
+        role.control.install_signal_handlers()
+        try:
+            role.run()
+        except StopRequested:
+            log.info("%s stopped before there was anything to do", role.name)
+            role.status.update(force=True, state="stopped")
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ where things are
+
+    def local_dir(self, name: str) -> Path:
+        """Local directory `name` of this run ({workdir}/runs/{run}/{name}): weight caches,
+        snapshots, logs."""
+        return Path(self.config.workdir) / "runs" / self.run_id / name
+
+    def stream_reader(self, stream: str, consumer: str) -> StreamReader:
+        return StreamReader(
+            self.config.storage.url,
+            self.run_id,
+            stream,
+            consumer=consumer,
+            storage_options=self.config.storage.options,
+        )
+
+    def stream_writer(self, stream: str, writer_id: str) -> StreamWriter:
+        return StreamWriter(
+            self.config.storage.url,
+            self.run_id,
+            stream,
+            writer_id=writer_id,
+            storage_options=self.config.storage.options,
+        )
+
+    # ------------------------------------------------------------ waiting and consuming
+
+    def wait_for_first_version(self, timeout_s: float | None = None) -> CommittedVersion:
+        """The newest committed policy version, once there is one.
+
+        Polls the registry every `rollout.poll_interval_s`; raises `StopRequested` as soon
+        as a stop is requested, and TimeoutError after `timeout_s` (None: no limit).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self.control.should_stop():
+                raise StopRequested
+            latest = self.registry.latest()
+            if latest is not None:
+                return latest
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no committed policy version appeared in the registry in {timeout_s:g} s"
+                )
+            self.control.sleep(self.config.rollout.poll_interval_s)
+
+    def consume(
+        self,
+        reader: StreamReader,
+        handle: Callable[[ShardRef, pa.Table], None],
+        idle: Callable[[], None],
+        done: Callable[[], bool] = lambda: False,
+    ) -> bool:
+        """Hand each new shard of `reader` to `handle` until `done()` or a stop request.
+
+        `idle()` runs whenever a poll finds nothing new (it should sleep). A shard that
+        turns out corrupt is quarantined by the reader, logged and skipped: the stream
+        goes on. Returns True when `done()` ended the loop, False on a stop request.
+        """
+        while not done():
+            if self.control.should_stop():
+                return False
+            refs = reader.poll()
+            for ref in refs:
+                try:
+                    table = reader.read(ref)
+                except CorruptShardError as err:
+                    log.error("%s", err)
+                    continue
+                handle(ref, table)
+                if self.control.should_stop():
+                    break
+            if not refs:
+                idle()
+        return True
