@@ -1,6 +1,6 @@
 """The policy loss of Sluice: decoupled PPO (AReaL eq. 3) as a pure function over named tensors.
 
-Three policies meet here (DESIGN.md §1): π_behav produced the tokens and recorded
+Three policies meet here (docs/design.md §1): π_behav produced the tokens and recorded
 ``behaviour_logprobs``; π_prox is the trainer's weights just before this update,
 recomputed over the batch as ``proximal_logprobs``; π_θ is being optimised and gives
 ``logprobs`` (with grad). Per valid response token t::

@@ -19,11 +19,11 @@ hold 30% greedy held-out accuracy.
 Term counts are drawn from a clipped log-normal (median 5, most prompts short, a few
 up to 32 terms), which makes the reference-solution length long-tailed: p99/p50 is
 about 7 (``python -m engines.problems`` prints the histogram). A long tail is what
-makes synchronous RL wait for its slowest sample (DESIGN.md §4).
+makes synchronous RL wait for its slowest sample (docs/design.md §4).
 
 Three departures from a plain sampler:
 - the supervised warm start draws term counts *uniformly* over the whole range
-  (``sample_warmstart_prompts``; DESIGN.md §4): warm-starting on the long-tailed
+  (``sample_warmstart_prompts``; docs/design.md §4): warm-starting on the long-tailed
   distribution memorised the short answers and left RL nothing to climb;
 - half of the warm-start references are the bare answer (``=21``), half the worked
   sum. The warm-started policy then does what pretrained LLMs do: sometimes it works

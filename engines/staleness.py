@@ -1,4 +1,4 @@
-"""Admission control for rollouts: the staleness bound floor(n / B) <= i + eta (DESIGN.md §1).
+"""Admission control for rollouts: the staleness bound floor(n / B) <= i + eta (docs/design.md §1).
 
 The rollout side asks :class:`StalenessGate` before it starts sampling a prompt group.
 B = ``prompts_per_batch``, i = the newest committed policy version, eta =

@@ -5,7 +5,7 @@ already solves everything has nothing to learn. The warm start runs teacher-forc
 cross-entropy on prompt + worked reference solution (loss on response tokens only) and
 stops as soon as greedy held-out accuracy enters a target band (about 20-40%).
 
-Per DESIGN.md §4 the supervised rows come from `Problem.sample_warmstart_prompts`,
+Per docs/design.md §4 the supervised rows come from `Problem.sample_warmstart_prompts`,
 which for the built-in task draws problem sizes *uniformly* over the whole range,
 while the held-out evaluation uses the long-tailed RL distribution. Warm-starting on
 the long-tailed distribution memorised the short answers and RL then stalled.

@@ -137,7 +137,7 @@ class RolloutConfig(_Section):
 
 
 class StalenessConfig(_Section):
-    """The admission rule floor(n / B) <= i + eta (DESIGN.md §1)."""
+    """The admission rule floor(n / B) <= i + eta (docs/design.md §1)."""
 
     max_staleness: int = Field(4, ge=0, le=1000)
     """eta: how many policy versions behind a trained batch may be. 0 = synchronous."""

@@ -5,7 +5,7 @@ The trainer publishes policy version k by (1) saving the weights as a checkpoint
 ``CheckpointRegistry.commit``, which verifies the manifest, creates an MLflow model version
 whose source is the checkpoint URI, and moves an alias onto it. The rollout side polls
 ``latest()`` (one indexed alias lookup) and reloads weights when the policy version grows;
-that poll is what gates reloads under the staleness bound (DESIGN.md §2).
+that poll is what gates reloads under the staleness bound (docs/design.md §2).
 
 Guarantees:
 

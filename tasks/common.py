@@ -1,6 +1,6 @@
 """What every long-lived role shares: where the run lives, how it stops, how it reports.
 
-Roles talk only through storage URLs and the tracking URI (DESIGN.md §2), so the
+Roles talk only through storage URLs and the tracking URI (docs/design.md §2), so the
 only shared state here is naming: stream and checkpoint locations under
 ``{storage.url}/{run}``, a control prefix for the stop marker, and one status
 document per role that the flow reads to draw progress. Status and control live on

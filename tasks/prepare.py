@@ -4,7 +4,7 @@ The embedded default starts from the warm-started ~1M-parameter Llama that ships
 the package (engines/shipped_policy.py rebuilds it byte for byte), so `sluice train`
 goes straight to RL. Another tiny shape or task builds a Llama from config plus a
 character tokenizer (no hub download) and runs a short supervised pass on the built-in
-task with problem sizes drawn uniformly (DESIGN.md §4: warm-starting on the
+task with problem sizes drawn uniformly (docs/design.md §4: warm-starting on the
 long-tailed distribution itself memorised the short answers and left RL nothing to
 climb); that result is cached under `workdir/models/` by a hash of everything that
 shapes it, so only the first run pays for it. Version 0 is committed to the registry

@@ -1,6 +1,6 @@
 """The rollout role: generate prompt groups continuously, under the staleness gate.
 
-Loop (DESIGN.md §1–2):
+Loop (docs/design.md §1–2):
 - the staleness gate says how many prompt groups may start now (floor(n/B) <= i + η,
   i = newest committed policy version, n counted over the whole run);
 - each group is G samples of one prompt, sent to the inference servers through the

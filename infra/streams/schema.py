@@ -1,6 +1,6 @@
 """The trajectory row layout of every stream, and the helpers that build and check tables.
 
-Row = one sampled response (DESIGN.md section 3). The Arrow schema carries
+Row = one sampled response (docs/design.md §3). The Arrow schema carries
 ``sluice.schema_version`` and ``sluice.stream`` in its metadata (invariant 4,
 self-describing): ``validate_table`` checks a shard read back, ``conform_table`` readies a
 table to commit, and ``table_from_rows`` / ``table_from_arrays`` build one from Python
