@@ -206,6 +206,13 @@ def build_tiny_policy(
     return out
 
 
+def resolve_device(name: str) -> str:
+    """`cpu`, `cuda[:i]` as given; `auto` = `cuda` when a GPU is visible, else `cpu`."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())

@@ -50,7 +50,7 @@ from infra.tracking import (
 
 # Bench-sized defaults: enough steps for throughput to settle, eval only at both ends so
 # the held-out role steals the same little CPU from every variant. Overridable by --set.
-BENCH_DEFAULTS: dict[str, Any] = {"trainer.total_steps": 60, "trainer.eval_every": 0}
+BENCH_DEFAULTS: dict[str, Any] = {"trainer.total_steps": 60, "evaluation.every": 0}
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ COMPARED_METRICS = ("loss/policy_loss", "train/grad_norm", "reward/mean")
 DEFAULT_STEPS = 5
 # Held-out evaluation takes CPU from the runs and proves nothing here: v0 and the final
 # version only, unless the user sets it.
-CHECK_DEFAULTS: dict[str, Any] = {"trainer.eval_every": 0}
+CHECK_DEFAULTS: dict[str, Any] = {"evaluation.every": 0}
 
 History = dict[str, list[tuple[int, float]]]
 

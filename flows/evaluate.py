@@ -15,7 +15,7 @@ alias), run the `evaluate-version` task on it, and leave the result where people
 
 Evaluating a version again logs a second point at the same step and overwrites its
 tags with the newest result: the samples are seeded, so with the same config the numbers
-repeat, and a changed `problem.eval_samples` should win.
+repeat, and a changed `evaluation.samples` should win.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def evaluate(
         "registered_model": registered_model_name(config, run_id),
         "checkpoint_uri": target.checkpoint_uri,
         "mlflow_run_id": mlflow_run_id,
-        "samples_per_prompt": config.problem.eval_samples,
+        "samples_per_prompt": config.evaluation.samples,
         **metrics,
     }
     create_table_artifact(

@@ -47,7 +47,7 @@ from infra.tracking import get_metric_history
 
 # Bench-sized defaults, overridable by --set: the async-vs-sync step count, held-out
 # evaluation only at both ends (the evaluator steals the same little CPU from every run).
-STALENESS_DEFAULTS: dict[str, Any] = {"trainer.total_steps": 60, "trainer.eval_every": 0}
+STALENESS_DEFAULTS: dict[str, Any] = {"trainer.total_steps": 60, "evaluation.every": 0}
 # weight_noise_std 0.05, measured on a 20%-accurate warm-start snapshot (16 prompts × 8
 # samples, noise seeds 0-5): k3 KL 1e-3 to 2e-2 per noise draw (mean 8e-3; 0 noise gives
 # 1e-13), token weights up to ~2, 0-3% of responses over C = 2, rollout reward 0.34 ->
@@ -55,7 +55,7 @@ STALENESS_DEFAULTS: dict[str, Any] = {"trainer.total_steps": 60, "trainer.eval_e
 # none); 0.07 gave 5e-3 to 8e-2 and token weights up to 17.
 MISMATCH_DEFAULTS: dict[str, Any] = {
     "trainer.total_steps": 60,
-    "trainer.eval_every": 0,
+    "evaluation.every": 0,
     "staleness.max_staleness": 0,
     "rollout.weight_noise_std": 0.05,
 }

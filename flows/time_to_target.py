@@ -11,14 +11,14 @@ and asks when each reaches the start's held-out reward + `delta` (0.2 by default
 - The clock starts when the flow is called and includes everything a user waits for:
   the MLflow run, committing version 0, starting the role processes and the inference
   server. Each run stops at `horizon_s` (`trainer.time_budget_s`).
-- Nothing is evaluated while the clock runs (`trainer.eval_during_run=false`): every
+- Nothing is evaluated while the clock runs (`evaluation.during_run=false`): every
   committed version stays in storage with its commit time in the registry, and after
   the run the versions newest at fixed times (`EVAL_TIMES`) are scored in this
   process, on the roles' cores, which are idle by then. Where the target is crossed
   between two scored versions, the versions between are bisected (at most
   `REFINE_EVALS` more), so the time to target is a commit time, not a grid point.
 - All versions of all runs are scored on the same held-out prompts with the same
-  sampling seeds (`problem.eval_samples` per prompt at the rollout temperature, the
+  sampling seeds (`evaluation.samples` per prompt at the rollout temperature, the
   RL objective), so two versions differ by their weights, not their luck.
 
 Reported per contender, mean ± std over seeds: the time to target, the held-out
@@ -72,7 +72,7 @@ DEFAULT_HORIZON_S = 300.0
 # Settings every run of this benchmark takes (the time budget replaces the step count).
 TTT_DEFAULTS: dict[str, Any] = {
     "trainer.total_steps": 100_000,
-    "trainer.eval_during_run": False,
+    "evaluation.during_run": False,
 }
 
 
@@ -196,7 +196,7 @@ class ScoredRun:
 
 def eval_config(config: RunConfig) -> RunConfig:
     """The scoring settings every version of every run shares: seed 0, no greedy pass."""
-    return with_settings(config, {"seed": 0, "problem.eval_greedy": False})
+    return with_settings(config, {"seed": 0, "evaluation.greedy": False})
 
 
 def run_config(
@@ -405,7 +405,7 @@ def bench_time_to_target(
     header = (
         f"# sluice bench time-to-target ({tag} UTC)\n\n{run_shape(config)}; horizon "
         f"{horizon_s:g} s; held-out reward of the start {start:.3f}, target {target:.3f}; "
-        f"{config.problem.num_eval_prompts} held-out prompts × {config.problem.eval_samples} "
+        f"{config.evaluation.num_prompts} held-out prompts × {config.evaluation.samples} "
         f"sample(s), scored after each run\n\n"
     )
     report = header

@@ -108,7 +108,7 @@ def train(
             write_start(config, run_id, start.policy_version, start.checkpoint_uri)
 
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
-        roles = [r for r in ROLES if r != "evaluate" or config.trainer.eval_during_run]
+        roles = [r for r in ROLES if r != "evaluate" or config.evaluation.during_run]
         futures = run_roles(
             roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir
         )

@@ -45,7 +45,7 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
         config_path = write_resolved_config(config, run_id)
         prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
-        roles = ["sync", "evaluate"] if config.trainer.eval_during_run else ["sync"]
+        roles = ["sync", "evaluate"] if config.evaluation.during_run else ["sync"]
         names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
         futures = run_roles(roles, names, str(config_path), run_id, mlflow_run_id, log_dir)
         watch_progress(config, run_id, futures, started=started)

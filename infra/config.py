@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engines.inference.types import PauseMode
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "flows" / "configs"
 
 # Keys that existed under another name: an old key gets an error naming the new one.
@@ -27,6 +29,20 @@ RENAMED_KEYS: dict[str, str] = {
     "trainer.batch_size": "trainer.prompts_per_batch",
     "trainer.max_tokens_per_mb": "trainer.max_tokens_per_micro_batch",
     "rollout.n_samples": "rollout.group_size",
+    "model.dtype": "rollout.dtype",
+    "problem.eval_dataset": "evaluation.dataset",
+    "problem.num_eval_prompts": "evaluation.num_prompts",
+    "problem.eval_samples": "evaluation.samples",
+    "problem.eval_temperature": "evaluation.temperature",
+    "problem.eval_greedy": "evaluation.greedy",
+    "trainer.eval_every": "evaluation.every",
+    "trainer.eval_during_run": "evaluation.during_run",
+}
+
+# Keys that are gone, with what to do instead.
+REMOVED_KEYS: dict[str, str] = {
+    "trainer.backend": "it was removed: plain torch is the only trainer; "
+    "a Megatron-core backend will bring its own setting",
 }
 
 
@@ -72,8 +88,6 @@ class ModelConfig(_Section):
     """Local Hugging Face causal-LM directory (config + safetensors + tokenizer). None builds the embedded tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the embedded tiny model (ignored when `path` is set)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for training and inference. float32 on CPU."""
     shipped_policy: bool = True
     """Start from the warm-started policy that ships with Sluice when the tiny shape and task match it (the default's do), so no warm start runs on your clock. False, or any other shape or task, falls back to `warm_start`."""
     warm_start: bool = True
@@ -95,16 +109,6 @@ class ProblemConfig(_Section):
     """Built-in task name, used when `dataset` is None."""
     dataset: str | None = None
     """A .jsonl or .parquet file of rows with `prompt` and `answer` (extra columns reach the verifier)."""
-    eval_dataset: str | None = None
-    """Held-out rows in the same format; defaults to a held-out split of the built-in task."""
-    num_eval_prompts: int = Field(64, ge=1)
-    """Held-out prompts per evaluation."""
-    eval_samples: int = Field(1, ge=1)
-    """Samples per held-out prompt at `eval_temperature`; the held-out reward (`eval/reward`) and pass@1 are averaged over them."""
-    eval_temperature: float | None = Field(None, ge=0)
-    """Temperature of the held-out samples. None = the rollout temperature, so `eval/reward` is the RL objective (expected reward of the policy being trained) on unseen prompts; 0 = greedy decoding."""
-    eval_greedy: bool = True
-    """Also decode every held-out prompt greedily and log `eval/greedy_accuracy` (one more decoding pass per evaluation; ignored when `eval_temperature` is 0)."""
 
 
 class RolloutConfig(_Section):
@@ -126,10 +130,12 @@ class RolloutConfig(_Section):
     """Concurrent sequences in the embedded engine (continuous-batching slots)."""
     interruptible: bool = True
     """Pause in-flight generation for a weight update and recompute KV (True), or drain it first (False)."""
-    pause_mode: Literal["in_place", "retract", "abort"] = "retract"
+    pause_mode: PauseMode = PauseMode.RETRACT
     """How in-flight requests are held during a weight update when interruptible."""
     poll_interval_s: float = Field(0.5, gt=0)
-    """How often the rollout side polls the registry alias for a newer committed version."""
+    """How often the rollout role polls the registry alias for a newer committed version (and, at start, for the first one)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the inference engine wherever the policy generates: the embedded server, the sync baseline's engine and evaluation. The trainer keeps float32 weights and optimizer state; the decoupled loss corrects the difference (its behaviour log-probs come from this dtype). float32 on CPU."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one generate request."""
     weight_noise_std: float = Field(0.0, ge=0, le=10)
@@ -156,6 +162,29 @@ class RewardConfig(_Section):
     """Verifier worker processes."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit per verifier call; a timeout scores `incorrect_reward`."""
+    poll_interval_s: float = Field(0.25, gt=0)
+    """How often the reward role lists the rollouts stream when it has nothing to score."""
+
+
+class EvaluationConfig(_Section):
+    """Held-out evaluation: during a run (the evaluate role) and after it (`sluice eval`)."""
+
+    dataset: str | None = None
+    """Held-out rows in the format of `problem.dataset`; None = a held-out split of the built-in task."""
+    num_prompts: int = Field(64, ge=1)
+    """Held-out prompts per evaluation."""
+    samples: int = Field(1, ge=1)
+    """Samples per held-out prompt at `temperature`; the held-out reward (`eval/reward`) and pass@1 are averaged over them."""
+    temperature: float | None = Field(None, ge=0)
+    """Temperature of the held-out samples. None = the rollout temperature, so `eval/reward` is the RL objective (expected reward of the policy being trained) on unseen prompts; 0 = greedy decoding."""
+    greedy: bool = True
+    """Also decode every held-out prompt greedily and log `eval/greedy_accuracy` (one more decoding pass per evaluation; ignored when `temperature` is 0)."""
+    every: int = Field(5, ge=0)
+    """The evaluate role scores version 0, every N-th version and the final one (0 = version 0 and the final one)."""
+    during_run: bool = True
+    """Run the evaluate role beside training. False leaves every core to the compared roles; committed versions are evaluated afterwards (`sluice eval`, `sluice bench time-to-target`)."""
+    poll_interval_s: float = Field(1.0, gt=0)
+    """How often the evaluate role polls the registry for a version to score."""
 
 
 class LossConfig(_Section):
@@ -222,10 +251,6 @@ class TrainerConfig(_Section):
     """Lower bound on micro-batches per minibatch."""
     publish_every: int = Field(1, ge=1)
     """Commit a new policy version every K training steps."""
-    eval_every: int = Field(5, ge=0)
-    """Evaluate on held-out prompts every N steps (0 = only at the end)."""
-    eval_during_run: bool = True
-    """Run the evaluate role beside training. False leaves every core to the compared roles; committed versions are evaluated afterwards (`sluice eval`, `sluice bench time-to-target`)."""
     time_budget_s: float | None = Field(None, gt=0)
     """Stop the run this many wall-clock seconds after the flow started (start-up included), whatever step it reached; None = run `total_steps`."""
     loss: LossConfig = LossConfig()
@@ -234,8 +259,6 @@ class TrainerConfig(_Section):
     """Rollout correction of the behaviour importance weight."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimator."""
-    backend: Literal["torch"] = "torch"
-    """Training backend: plain torch (CPU or one GPU). A Megatron-core backend is not built yet, so asking for one is an error rather than a silent fallback."""
 
 
 class StorageConfig(_Section):
@@ -270,19 +293,19 @@ class RunConfig(BaseModel):
     )
 
     name: str = Field("sluice", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-    """Run name; streams and checkpoints live under {storage.url}/{name}."""
+    """Run name. Each run's id is `{name}-{UTC start time}` (or the id given to `--resume`), and its streams, checkpoints and control files live under `{storage.url}/{run id}`."""
     seed: int = 0
     """Seeds prompts, sampling, initialisation and training."""
     workdir: str = ".sluice"
     """Local directory for caches (warm-start model, fetched checkpoints)."""
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    """Compute device for the embedded engine and trainer."""
+    """Where every role computes: the embedded inference server, the trainer, the sync baseline and evaluation. `auto` = cuda when a GPU is visible, else cpu."""
     threads_per_role: int | None = Field(None, ge=1, le=1024)
     """torch intra-op threads of each role process (inference server, trainer, evaluator). None = half the CPU cores (at least 1), since generation and training run side by side; the colocated sync baseline takes all cores. More threads than cores makes every role spin and slows the run several-fold."""
     model: ModelConfig = ModelConfig()
     """The policy model."""
     problem: ProblemConfig = ProblemConfig()
-    """Prompts and held-out prompts."""
+    """Prompts."""
     rollout: RolloutConfig = RolloutConfig()
     """Generation."""
     staleness: StalenessConfig = StalenessConfig()
@@ -291,24 +314,12 @@ class RunConfig(BaseModel):
     """Scoring."""
     trainer: TrainerConfig = TrainerConfig()
     """Optimisation."""
+    evaluation: EvaluationConfig = EvaluationConfig()
+    """Held-out evaluation."""
     storage: StorageConfig = StorageConfig()
     """Object storage for streams and checkpoints."""
     tracking: TrackingConfig = TrackingConfig()
     """MLflow tracking and registry."""
-
-    def to_flat_dict(self) -> dict[str, Any]:
-        """Dotted keys -> values, for MLflow params."""
-        out: dict[str, Any] = {}
-
-        def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    walk(f"{prefix}.{k}" if prefix else k, v)
-            else:
-                out[prefix] = value
-
-        walk("", self.model_dump(mode="json"))
-        return out
 
 
 # ---------------------------------------------------------------- loading
@@ -328,6 +339,8 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 def _closest(key: str) -> str:
     if key in RENAMED_KEYS:
         return f"; it was renamed to '{RENAMED_KEYS[key]}'"
+    if key in REMOVED_KEYS:
+        return f"; {REMOVED_KEYS[key]}"
     valid = _valid_keys(RunConfig)
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not match:

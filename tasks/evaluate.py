@@ -1,7 +1,7 @@
 """Held-out evaluation of committed policy versions.
 
-The held-out reward (`eval/reward`) is the mean reward of `problem.eval_samples`
-samples per held-out prompt at `problem.eval_temperature` (default: the rollout
+The held-out reward (`eval/reward`) is the mean reward of `evaluation.samples`
+samples per held-out prompt at `evaluation.temperature` (default: the rollout
 temperature). That is the quantity RL maximises, measured on prompts it never trains
 on. Greedy accuracy (`eval/greedy_accuracy`) is logged beside it: it moves more slowly,
 because RL first sharpens the sampling distribution towards answers the policy could
@@ -10,7 +10,7 @@ Results go to MLflow (`eval/reward` at step = policy version) and onto the model
 version as tags, so the registry shows which version is best.
 
 As a role beside training, it polls the registry and evaluates version 0, every
-`eval_every`-th version and the final one; it runs at low CPU priority so it takes
+`evaluation.every`-th version and the final one; it runs at low CPU priority so it takes
 what generation and training leave. On demand, `evaluate_version` is the Prefect task
 the `evaluate` flow (`sluice eval`) runs for one chosen version.
 """
@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from engines.evaluation import heldout_metrics
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
+from engines.model import resolve_device
 from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint
 from infra.config import RunConfig
@@ -52,11 +53,11 @@ def eval_seed(seed: int, prompt: int, sample: int) -> int:
 def eval_requests(
     config: RunConfig, prompt_ids: list[list[int]], temperature: float, with_greedy: bool
 ) -> list[GenerationRequest]:
-    """`problem.eval_samples` seeded samples per prompt, then a greedy one when asked."""
+    """`evaluation.samples` seeded samples per prompt, then a greedy one when asked."""
     max_new_tokens = config.rollout.max_new_tokens
     requests = []
     for i, ids in enumerate(prompt_ids):
-        for j in range(config.problem.eval_samples):
+        for j in range(config.evaluation.samples):
             sampling = SamplingParams(
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
@@ -80,13 +81,15 @@ def evaluate_model_dir(
         correct_reward=config.reward.correct_reward,
         incorrect_reward=config.reward.incorrect_reward,
     )
-    k = config.problem.eval_samples
-    temperature = config.problem.eval_temperature
+    k = config.evaluation.samples
+    temperature = config.evaluation.temperature
     if temperature is None:
         temperature = config.rollout.temperature
-    with_greedy = config.problem.eval_greedy and temperature > 0
+    with_greedy = config.evaluation.greedy and temperature > 0
     engine = InferenceEngine(
         model_dir,
+        device=resolve_device(config.device),
+        dtype=config.rollout.dtype,
         max_batch_size=config.rollout.max_batch_size,
         seed=config.seed,
         weight_version=policy_version,
@@ -143,7 +146,7 @@ def evaluate_checkpoint(
 
 
 def should_evaluate(version: int, config: RunConfig) -> bool:
-    every = config.trainer.eval_every
+    every = config.evaluation.every
     return (
         version == 0
         or version >= config.trainer.total_steps
@@ -176,9 +179,13 @@ def record(
 
 
 class EvaluateRole(Role):
-    """Evaluates version 0, every `eval_every`-th version and the final one, as they land."""
+    """Evaluates version 0, every `evaluation.every`-th version and the final one, as they land."""
 
     name = "evaluate"
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.config.evaluation.poll_interval_s
 
     def run(self) -> None:
         with contextlib.suppress(OSError):
@@ -203,7 +210,7 @@ class EvaluateRole(Role):
                     break
             if not wanted:
                 self.status.update(state="waiting", last_reward=history[-1][1] if history else None)
-                control.sleep(cfg.rollout.poll_interval_s * 2)
+                control.sleep(self.poll_interval_s)
                 # Only a signal ends the wait early: the done marker means "evaluate the
                 # final version, then leave", which the top of the loop handles.
                 if control.stop_requested():

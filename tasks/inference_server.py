@@ -53,6 +53,8 @@ class EmbeddedServer:
             str(config.seed),
             "--device",
             config.device,
+            "--dtype",
+            config.rollout.dtype,
             "--num-threads",
             str(role_threads(config, "rollout")),
             "--weight-noise-std",

@@ -20,7 +20,7 @@ from infra.config import RunConfig
 
 def build_problem(config: RunConfig) -> Problem:
     if config.problem.dataset:
-        return DatasetProblem.from_files(config.problem.dataset, config.problem.eval_dataset)
+        return DatasetProblem.from_files(config.problem.dataset, config.evaluation.dataset)
     return get_problem(config.problem.name)
 
 
@@ -60,4 +60,4 @@ class PromptSource:
     def eval_rows(self) -> list[dict[str, Any]]:
         """The fixed held-out prompts every evaluation of the run uses."""
         rng = np.random.default_rng([self.config.seed, 2**31 - 1])
-        return self.problem.sample_prompts(self.config.problem.num_eval_prompts, rng, "test")
+        return self.problem.sample_prompts(self.config.evaluation.num_prompts, rng, "test")

@@ -100,6 +100,10 @@ class VerifierPool:
 class RewardRole(Role):
     name = "reward"
 
+    @property
+    def poll_interval_s(self) -> float:
+        return self.config.reward.poll_interval_s
+
     def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str):
         super().__init__(config, run_id, mlflow_run_id)
         self.reader = self.stream_reader(ROLLOUTS, consumer="reward")
@@ -152,7 +156,7 @@ class RewardRole(Role):
 
         def wait() -> None:
             self.status.update(state="waiting", **self.progress())
-            self.control.sleep(cfg.rollout.poll_interval_s / 2)
+            self.control.sleep(self.poll_interval_s)
 
         self.started = time.monotonic()
         try:

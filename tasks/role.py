@@ -42,6 +42,11 @@ class Role:
     name = "role"
     """The status document the role writes (`_status/{name}.json`)."""
 
+    @property
+    def poll_interval_s(self) -> float:
+        """Seconds between polls while there is nothing to do; roles with a setting override it."""
+        return 0.5
+
     def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str) -> None:
         self.config = config
         self.run_id = run_id
@@ -95,7 +100,7 @@ class Role:
     def wait_for_first_version(self, timeout_s: float | None = None) -> CommittedVersion:
         """The newest committed policy version, once there is one.
 
-        Polls the registry every `rollout.poll_interval_s`; raises `StopRequested` as soon
+        Polls the registry every `poll_interval_s`; raises `StopRequested` as soon
         as a stop is requested, and TimeoutError after `timeout_s` (None: no limit).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -109,7 +114,7 @@ class Role:
                 raise TimeoutError(
                     f"no committed policy version appeared in the registry in {timeout_s:g} s"
                 )
-            self.control.sleep(self.config.rollout.poll_interval_s)
+            self.control.sleep(self.poll_interval_s)
 
     def consume(
         self,

@@ -99,6 +99,10 @@ class RolloutRole(Role):
 
     name = "rollout"
 
+    @property
+    def poll_interval_s(self) -> float:
+        return self.config.rollout.poll_interval_s
+
     def __init__(
         self,
         config: RunConfig,

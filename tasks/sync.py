@@ -17,6 +17,7 @@ import numpy as np
 
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
+from engines.model import resolve_device
 from engines.samples import batch_table, samples_from_table, staleness_stats
 from engines.verifiers import load_verifier
 from infra.checkpoints import fetch_checkpoint
@@ -83,6 +84,8 @@ class SyncRole(TrainingRole):
         )
         engine = InferenceEngine(
             model_dir,
+            device=resolve_device(cfg.device),
+            dtype=cfg.rollout.dtype,
             max_batch_size=cfg.rollout.max_batch_size,
             seed=cfg.seed,
             weight_version=latest.policy_version,

@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from engines.advantages import AdvantageFn, make_advantage_fn
 from engines.loss import make_policy_loss
+from engines.model import resolve_device
 from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings
 from infra.checkpoints import save_checkpoint
@@ -43,11 +42,7 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     """The policy trainer the run config asks for, on the weights in `model_dir`."""
     t = config.trainer
     correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
-    device = (
-        "cuda"
-        if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
+    device = resolve_device(config.device)
     return PolicyTrainer(
         model_dir,
         trainer_settings(config),

@@ -256,6 +256,8 @@ def create_app(
                 "tokenizer_path": state.tokenizer_path,
                 "max_context_length": engine.max_seq_len,
                 "max_total_num_tokens": engine.max_seq_len * engine.max_batch_size,
+                "device": str(engine.device),
+                "dtype": str(engine.dtype).removeprefix("torch."),
                 "version": "sluice",
                 "internal_states": [
                     {
@@ -422,11 +424,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.exit_with_parent:
         exit_with_parent(os.getppid())
-    device = args.device
-    if device == "auto":
-        import torch
+    from engines.model import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device)
     serve(
         args.model,
         args.host,

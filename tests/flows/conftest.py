@@ -30,8 +30,8 @@ def tiny_run_overrides(tmp_path, **extra):
         "rollout.poll_interval_s": "0.2",
         "trainer.prompts_per_batch": "2",
         "trainer.total_steps": "3",
-        "trainer.eval_every": "0",
-        "problem.num_eval_prompts": "4",
+        "evaluation.every": "0",
+        "evaluation.num_prompts": "4",
         "staleness.max_staleness": "1",
         # A random tiny model scores 0 on every prompt: dropping zero-variance groups
         # would leave the trainer nothing to step on, and these tests check the step.

@@ -114,13 +114,13 @@ def test_run_without_registered_versions_exits_2_and_registers_nothing(
 def test_eval_uses_the_runs_saved_config_with_set_on_top(run_config, workdir):
     cli_config = load_config(None, [f"workdir={workdir}"])
     run_id, config = resolve_run(
-        cli_config, "trained", [f"workdir={workdir}", "problem.eval_samples=3"]
+        cli_config, "trained", [f"workdir={workdir}", "evaluation.samples=3"]
     )
     assert run_id == "trained"
     # Storage and tracking come from the run, not from the CLI's default config.
     assert config.tracking.uri == run_config.tracking.uri != cli_config.tracking.uri
     assert config.storage.url == run_config.storage.url
-    assert config.problem.eval_samples == 3
+    assert config.evaluation.samples == 3
 
 
 def test_eval_without_run_picks_the_run_whose_config_was_written_last(workdir):

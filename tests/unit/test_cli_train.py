@@ -59,7 +59,7 @@ def test_bench_defaults_yield_to_explicit_overrides():
     config = load_config("default", ["trainer.total_steps=5"])
     config = apply_bench_defaults(config, ["trainer.total_steps=5"])
     assert config.trainer.total_steps == 5
-    assert config.trainer.eval_every == BENCH_DEFAULTS["trainer.eval_every"]
+    assert config.evaluation.every == BENCH_DEFAULTS["evaluation.every"]
 
 
 def test_bench_variants_cover_sync_and_every_eta_both_ways():

@@ -38,6 +38,11 @@ def test_override_sets_nested_values_with_yaml_types():
         (["rolout.group_size=4"], "unknown config key 'rolout'; did you mean 'rollout'?"),
         (["group_size=4"], "did you mean 'rollout.group_size'?"),
         (["rollout.eta=3"], "it was renamed to 'staleness.max_staleness'"),
+        (["problem.eval_samples=2"], "it was renamed to 'evaluation.samples'"),
+        (["trainer.eval_during_run=false"], "it was renamed to 'evaluation.during_run'"),
+        (["model.dtype=bfloat16"], "it was renamed to 'rollout.dtype'"),
+        (["trainer.backend=torch"], "'trainer.backend'; it was removed: plain torch is the only"),
+        (["rollout.pause_mode=nope"], "invalid value for 'rollout.pause_mode'"),
         (["trainer.lr=abc"], "invalid value for 'trainer.lr' = \"abc\""),
         (["staleness.max_staleness=-1"], "greater than or equal to 0"),
         (["model.tiny.num_heads=3"], "num_heads (3) must divide hidden_size (128)"),
@@ -75,12 +80,6 @@ def test_missing_config_lists_builtin_names():
         load_config("no-such-config")
 
 
-def test_flat_dict_has_dotted_keys():
-    flat = load_config().to_flat_dict()
-    assert flat["trainer.loss.eps_clip_low"] == 0.2
-    assert "staleness.max_staleness" in flat
-
-
 def test_every_field_is_documented():
     def walk(model):
         for name, field in model.model_fields.items():
@@ -102,3 +101,10 @@ def test_cli_fails_fast_with_one_line_before_heavy_imports():
     assert out.stdout.strip() == "2 []"
     assert out.stderr.count("\n") == 1
     assert "did you mean 'trainer.lr'" in out.stderr
+
+
+def test_an_old_yaml_section_gets_the_new_key_named(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("problem:\n  num_eval_prompts: 32\n")
+    with pytest.raises(ConfigError, match="renamed to 'evaluation.num_prompts'"):
+        load_config(old)

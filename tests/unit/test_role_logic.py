@@ -404,7 +404,7 @@ def test_held_out_metrics_split_sampled_from_greedy_responses():
 def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(config):
     from tasks.evaluate import eval_requests, eval_seed
 
-    config.problem.eval_samples, config.seed = 2, 3
+    config.evaluation.samples, config.seed = 2, 3
     requests = eval_requests(config, [[1], [2]], temperature=0.7, with_greedy=True)
     assert [r.prompt_token_ids for r in requests] == [[1], [1], [1], [2], [2], [2]]
     assert [r.sampling.seed for r in requests[:2]] == [eval_seed(3, 0, 0), eval_seed(3, 0, 1)]
@@ -415,7 +415,7 @@ def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(co
 def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_behind(config):
     from tasks.evaluate import choose_target, should_evaluate
 
-    config.trainer.total_steps, config.trainer.eval_every = 10, 4
+    config.trainer.total_steps, config.evaluation.every = 10, 4
     assert [v for v in range(12) if should_evaluate(v, config)] == [0, 4, 8, 10, 11]
     waiting = [version(4), version(8)]
     assert choose_target(waiting, finished=False).policy_version == 8  # newest while running

@@ -1,0 +1,35 @@
+"""The rollout's embedded server runs on the run's `device` and `rollout.dtype`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.config import load_config
+from tasks.inference_server import EmbeddedServer
+
+pytestmark = pytest.mark.integration
+
+SHIPPED = Path(__file__).resolve().parents[2] / "engines" / "policies" / "longtail_sum-llama-0.9m"
+
+
+def test_embedded_server_reports_the_configured_device_and_dtype(tmp_path):
+    config = load_config("default", ["device=cpu", "rollout.dtype=bfloat16"])
+    server = EmbeddedServer(config, SHIPPED, 0, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        info = None
+        while time.monotonic() < deadline:
+            try:
+                info = httpx.get(f"{server.url}/server_info", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert info is not None, (tmp_path / "inference-server.log").read_text()
+        assert info["device"] == "cpu"
+        assert info["dtype"] == "bfloat16"
+    finally:
+        server.stop()
