@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engines.model import build_tiny_policy, load_policy_dir
-from engines.problems import LongTailSum
+from engines.problems.longtail import LongTailSum
 from engines.warmstart import (
     IGNORE_INDEX,
     WARM_START_MARKER,
