@@ -11,6 +11,8 @@ import hashlib
 import json
 import random
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -18,15 +20,16 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
+from infra.checkpoint_cache import fetch_checkpoint, prune_checkpoint_cache
 from infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointIncomplete,
-    fetch_checkpoint,
-    prune_checkpoint_cache,
     save_checkpoint,
     verify_checkpoint,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _memory_url() -> str:
@@ -315,16 +318,16 @@ def test_prune_keeps_the_most_recent_fetched_copies(hf_dir, tmp_path):
 def test_fetches_into_one_cache_reuse_a_digest_and_keep_the_newest_copies(
     hf_dir, tmp_path, monkeypatch
 ):
-    import infra.checkpoints as checkpoints
+    import infra.checkpoint_cache as checkpoint_cache
 
     downloads = []
-    real_download = checkpoints._download_verified
+    real_download = checkpoint_cache._download_verified
 
     def counting_download(fs, path, url, manifest, staging):
         downloads.append(url)
         return real_download(fs, path, url, manifest, staging)
 
-    monkeypatch.setattr(checkpoints, "_download_verified", counting_download)
+    monkeypatch.setattr(checkpoint_cache, "_download_verified", counting_download)
     cache = tmp_path / "cache"
     versions = []
     for i in range(3):
@@ -351,6 +354,55 @@ def test_fetches_into_one_cache_reuse_a_digest_and_keep_the_newest_copies(
     assert [p.name for p in cache.iterdir()] == [second.name]
     with pytest.raises(CheckpointError, match="keep_latest must be >= 1"):
         fetch_checkpoint(versions[1], cache, keep_latest=0)
+
+
+def test_pruning_never_deletes_a_copy_another_process_is_still_loading(hf_dir, tmp_path):
+    """The evaluate role, `sluice eval` and the benchmark share one cache and all prune it."""
+    cache = tmp_path / "cache"
+    (hf_dir / "generation_config.json").write_text(json.dumps({"i": 0}))
+    other_source = tmp_path / "v0"
+    shutil.copytree(hf_dir, other_source)
+    # The other process fetches version 0 and is still loading it when told to go on.
+    script = (
+        "import sys\n"
+        "from infra.checkpoint_cache import fetch_checkpoint\n"
+        "from infra.checkpoints import save_checkpoint, verify_checkpoint\n"
+        f"url = save_checkpoint({str(other_source)!r}, 'memory://other-process/v0')\n"
+        f"local = fetch_checkpoint(url, {str(cache)!r}, keep_latest=2)\n"
+        "print(local, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "verify_checkpoint(str(local))\n"
+        "print('loaded', flush=True)\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        held = Path(other.stdout.readline().strip())
+        assert held.parent == cache, other.stderr.read()
+        # Meanwhile this process fetches three newer versions, pruning to two each time.
+        newer = []
+        for i in (1, 2, 3):
+            (hf_dir / "generation_config.json").write_text(json.dumps({"i": i}))
+            newer.append(
+                fetch_checkpoint(save_checkpoint(hf_dir, _memory_url()), cache, keep_latest=2)
+            )
+        assert held.is_dir()  # in use: kept beyond keep_latest
+        assert not newer[0].exists()  # not in use: pruned as before
+        out, err = other.communicate("go\n", timeout=120)
+    finally:
+        other.kill()
+        other.wait()
+    assert other.returncode == 0, err
+    assert out.splitlines() == ["loaded"]
+    # Its holder has exited: the next fetch prunes it like any other copy.
+    fetch_checkpoint(save_checkpoint(hf_dir, _memory_url()), cache, keep_latest=2)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([newer[1].name, newer[2].name])
 
 
 def test_random_trees_round_trip_and_any_truncation_is_detected(tmp_path):
