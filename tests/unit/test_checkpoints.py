@@ -44,45 +44,11 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny Llama (hidden 32, 2 layers) and character tokenizer saved as an HF directory."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config).eval()
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<unk>", "<s>", "</s>", *"0123456789+="])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    directory = tmp_path_factory.mktemp("tiny_policy")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory, model
-
-
 @pytest.fixture
-def hf_dir(tiny_policy, tmp_path: Path) -> Path:
-    """A private copy of the tiny policy directory that a test may alter."""
+def hf_dir(tiny_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny policy directory (an HF model and tokenizer) to alter."""
     copy = tmp_path / "source"
-    shutil.copytree(tiny_policy[0], copy)
+    shutil.copytree(tiny_dir, copy)
     return copy
 
 
