@@ -16,7 +16,7 @@ the same bytes; `SHA256SUMS` records them, and a unit test checks both the shipp
 files and that the first steps of a rebuild reproduce a recorded digest.
 
 What it is: 2,100 supervised steps on the built-in task's warm-start corpus, which
-mixes worked running sums with bare answers (engines/problems.py). The policy blurts a
+mixes worked running sums with bare answers (engines/problems/longtail.py). The policy blurts a
 bare answer about 60% of the time (right ~6% of the time) and works the sum out the
 rest (right ~26%), so RL has a strategy to discover and a long way to climb. The step
 count was chosen by running RL from snapshots along one warm-start run; the
@@ -149,7 +149,7 @@ def build(
     import torch
 
     from engines.model import build_tiny_policy
-    from engines.problems import get_problem
+    from engines.problems.registry import get_problem
     from engines.warmstart import WARM_START_MARKER, warm_start
 
     out = Path(out_dir)

@@ -30,7 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engines.problems import BUILTIN_PROBLEMS, LongTailSum, PromptRow
+from engines.problems.base import PromptRow
+from engines.problems.longtail import LongTailSum
+from engines.problems.registry import BUILTIN_PROBLEMS
 
 log = logging.getLogger(__name__)
 

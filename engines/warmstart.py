@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engines.model import load_policy_dir
-from engines.problems import Problem, PromptRow
+from engines.problems.base import Problem, PromptRow
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Policy checkpoints on object storage: save, verify, fetch into a local cache.
+"""Policy checkpoints on object storage: save, verify, read the manifest.
 
 A Sluice checkpoint is a plain Hugging Face model directory (config.json, safetensors
 shards, tokenizer files) stored under any fsspec URL (``file://``, a bare path, ``s3://``,
@@ -17,10 +17,9 @@ Departures from a plain ``save_pretrained``:
 - Checkpoints are immutable: saving different content to a URL that already holds a
   complete checkpoint is an error, while saving the same content again is a no-op (so a
   trainer that crashed after uploading can simply retry).
-- ``fetch_checkpoint`` keeps one local copy per manifest digest in a cache folder shared
-  by all versions, so a worker that sees the same weights twice (the same version, or
-  two URLs with identical weights) downloads once; with ``keep_latest`` it prunes the
-  cache to the most recently fetched copies after each fetch.
+
+Reading a checkpoint back onto local disk, through a digest-keyed cache, is
+``infra.checkpoint_cache.fetch_checkpoint``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -119,7 +117,8 @@ class Manifest(BaseModel):
 # ---------------------------------------------------------------- URLs
 
 
-def _open_fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+def open_checkpoint_fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    """The filesystem and path of a checkpoint URL; CheckpointError naming it when unusable."""
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint URL must be a non-empty string, got {url!r}")
     try:
@@ -135,12 +134,13 @@ def canonical_url(url: str, storage_options: Mapping[str, Any] | None = None) ->
     The registry stores it, and readers in other processes (other working directories,
     other machines) must resolve it the same way.
     """
-    fs, path = _open_fs(url, storage_options)
+    fs, path = open_checkpoint_fs(url, storage_options)
     return url_of(fs, path)
 
 
 @contextlib.contextmanager
-def _storage_errors(url: str, action: str) -> Iterator[None]:
+def storage_errors(url: str, action: str) -> Iterator[None]:
+    """Turn a storage OSError into a CheckpointError that names `url` and the `action`."""
     try:
         yield
     except CheckpointError:
@@ -171,7 +171,7 @@ def _local_files(local_dir: Path) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
-def _hash_stream(source: IO[bytes], sink: IO[bytes] | None = None) -> tuple[int, str]:
+def hash_stream(source: IO[bytes], sink: IO[bytes] | None = None) -> tuple[int, str]:
     """(bytes, hex sha256) of what is left in `source`, copied to `sink` on the way."""
     digest = hashlib.sha256()
     size = 0
@@ -185,7 +185,7 @@ def _hash_stream(source: IO[bytes], sink: IO[bytes] | None = None) -> tuple[int,
 
 def _hash_file(path: Path, name: str) -> ManifestEntry:
     with open(path, "rb") as handle:
-        size, sha256 = _hash_stream(handle)
+        size, sha256 = hash_stream(handle)
     return ManifestEntry(name=name, size_bytes=size, sha256=sha256)
 
 
@@ -238,9 +238,9 @@ def _parse_manifest(raw: bytes, url: str) -> Manifest:
 
 def read_manifest(url: str, storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """The manifest of the checkpoint at `url`; CheckpointIncomplete when there is none."""
-    fs, path = _open_fs(url, storage_options)
+    fs, path = open_checkpoint_fs(url, storage_options)
     manifest_path = f"{path}/{MANIFEST_NAME}"
-    with _storage_errors(url, "read"):
+    with storage_errors(url, "read"):
         try:
             raw = fs.cat_file(manifest_path)
         except FileNotFoundError:
@@ -269,8 +269,8 @@ def verify_checkpoint(
     is what matters for multi-GB checkpoints on S3 (truncation still shows as a short file).
     """
     manifest = read_manifest(url, storage_options)
-    fs, path = _open_fs(url, storage_options)
-    with _storage_errors(url, "verify"):
+    fs, path = open_checkpoint_fs(url, storage_options)
+    with storage_errors(url, "verify"):
         for entry in manifest.files:
             file_path = f"{path}/{entry.name}"
             try:
@@ -287,7 +287,7 @@ def verify_checkpoint(
             if not check_hashes:
                 continue
             with fs.open(file_path, "rb") as handle:
-                _size, sha256 = _hash_stream(handle)
+                _size, sha256 = hash_stream(handle)
             if sha256 != entry.sha256:
                 raise CheckpointIncomplete(
                     f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
@@ -362,7 +362,7 @@ def save_checkpoint(
     ``s3://bucket/key``, ``memory:///key``), ready to be registered.
     """
     source = Path(local_dir)
-    fs, path = _open_fs(url, storage_options)
+    fs, path = open_checkpoint_fs(url, storage_options)
     canonical = url_of(fs, path)
     files = _source_files(source)
     stamps = [_stamp(full) for _rel, full in files]
@@ -384,7 +384,7 @@ def save_checkpoint(
         except CheckpointIncomplete:
             pass  # same manifest but damaged files: upload again below
     manifest_bytes = manifest.to_json().encode()
-    with _storage_errors(canonical, "write"):
+    with storage_errors(canonical, "write"):
         if not is_local(fs):
             _save_remote(fs, path, manifest, files, stamps)
         elif Path(path).resolve() == source.resolve():
@@ -397,116 +397,3 @@ def save_checkpoint(
                 # weights, are moved aside so the rename can land.
                 replace_directory(staging, Path(path))
     return canonical
-
-
-# ---------------------------------------------------------------- fetch
-
-
-def _download_verified(fs: Any, path: str, url: str, manifest: Manifest, staging: Path) -> None:
-    for entry in manifest.files:
-        dest = staging / entry.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with fs.open(f"{path}/{entry.name}", "rb") as source, open(dest, "wb") as sink:
-                size, sha256 = _hash_stream(source, sink)
-        except FileNotFoundError:
-            raise CheckpointIncomplete(
-                f"checkpoint {url!r} is incomplete: {entry.name} is missing"
-            ) from None
-        if size != entry.size_bytes:
-            raise CheckpointIncomplete(
-                f"checkpoint {url!r} is incomplete: {entry.name} has {size} bytes, "
-                f"manifest says {entry.size_bytes}"
-            )
-        if sha256 != entry.sha256:
-            raise CheckpointIncomplete(
-                f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
-            )
-    # Staged: the directory becomes visible, fsynced, only once this is written too.
-    (staging / MANIFEST_NAME).write_bytes(manifest.to_json().encode())
-
-
-def fetch_checkpoint(
-    url: str,
-    cache_dir: str | Path,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    keep_latest: int | None = None,
-) -> Path:
-    """A verified local copy of the checkpoint at `url`; return its directory.
-
-    A local URL is checked (manifest present, sizes match) and returned as is: no copy,
-    and the cache is not touched. A remote checkpoint is downloaded into
-    ``{cache_dir}/{manifest digest[:24]}`` with every sha256 checked while streaming, then
-    renamed into place; if that directory is already there the download is skipped.
-    `cache_dir` is therefore one cache for every version of a run: pass the same folder
-    each time. With `keep_latest` (>= 1) the cache is then pruned to that many most
-    recently fetched copies (`prune_checkpoint_cache`); the copy returned is never pruned.
-    """
-    if keep_latest is not None and keep_latest < 1:
-        raise CheckpointError(f"keep_latest must be >= 1 when fetching, got {keep_latest}")
-    fs, path = _open_fs(url, storage_options)
-    if is_local(fs):
-        verify_checkpoint(url, check_hashes=False)
-        return Path(path)
-    manifest = read_manifest(url, storage_options)
-    cache_root = Path(cache_dir)
-    target = cache_root / manifest.digest[:24]
-    if not _cached_copy_is_valid(target, manifest):
-        canonical = url_of(fs, path)
-        with staging_directory(target) as staging:
-            with _storage_errors(canonical, "download"):
-                _download_verified(fs, path, canonical, manifest, staging)
-            # A concurrent fetcher may have won the race: keep its copy when it is valid.
-            if not _cached_copy_is_valid(target, manifest):
-                replace_directory(staging, target)
-    # Most recently used: the last copy pruning removes (ns from the clock, not the
-    # filesystem's coarser one, so fetches in quick succession stay ordered).
-    now_ns = time.time_ns()
-    os.utime(target, ns=(now_ns, now_ns))
-    if keep_latest is not None:
-        _prune(cache_root, keep_latest, newest=target)
-    return target
-
-
-def _cached_copy_is_valid(target: Path, manifest: Manifest) -> bool:
-    if not (target / MANIFEST_NAME).is_file():
-        return False
-    try:
-        cached = Manifest.model_validate_json((target / MANIFEST_NAME).read_bytes())
-    except ValidationError:
-        return False
-    if cached.digest != manifest.digest:
-        return False
-    # Sizes only: the content was hashed when it was downloaded.
-    return all(
-        (target / e.name).is_file() and (target / e.name).stat().st_size == e.size_bytes
-        for e in manifest.files
-    )
-
-
-def prune_checkpoint_cache(local_dir: str | Path, keep_latest: int) -> list[Path]:
-    """Delete all but the `keep_latest` most recently fetched copies in a fetch cache.
-
-    Returns the deleted directories. Only directories holding a Sluice manifest are
-    touched, so pointing this at the wrong folder cannot wipe unrelated data.
-    """
-    if keep_latest < 0:
-        raise CheckpointError(f"keep_latest must be >= 0, got {keep_latest}")
-    return _prune(Path(local_dir), keep_latest, newest=None)
-
-
-def _prune(root: Path, keep_latest: int, newest: Path | None) -> list[Path]:
-    if not root.is_dir():
-        return []
-    copies = [
-        child
-        for child in root.iterdir()
-        if child.is_dir() and not child.name.startswith(".") and (child / MANIFEST_NAME).is_file()
-    ]
-    # `newest` (the copy a fetch is about to return) first, whatever the clock says.
-    copies.sort(key=lambda child: (child == newest, child.stat().st_mtime_ns), reverse=True)
-    removed = copies[keep_latest:]
-    for child in removed:
-        shutil.rmtree(child, ignore_errors=True)
-    return removed

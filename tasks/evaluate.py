@@ -32,7 +32,7 @@ from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
 from engines.model import resolve_device
 from engines.verifiers import load_verifier
-from infra.checkpoints import fetch_checkpoint
+from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from infra.tracking import log_metrics

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engines.problems import DatasetProblem, Problem, get_problem
+from engines.problems.base import Problem
+from engines.problems.dataset import DatasetProblem
+from engines.problems.registry import get_problem
 from infra.config import RunConfig
 
 

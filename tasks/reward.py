@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from engines.samples import score_table
 from engines.verifiers import load_verifier
-from infra.checkpoints import fetch_checkpoint
+from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.streams.names import ShardRef
 from tasks.common import ROLLOUTS, SCORED

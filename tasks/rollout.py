@@ -29,7 +29,7 @@ from typing import Any
 from engines.groups import group_index_of, group_key, reissue_plan, resume_gate
 from engines.samples import group_rows, version_span
 from engines.staleness import StalenessGate
-from infra.checkpoints import fetch_checkpoint
+from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CommittedVersion
 from infra.serving.client import InferenceClient

@@ -20,7 +20,7 @@ from engines.inference.types import GenerationRequest, SamplingParams
 from engines.model import resolve_device
 from engines.samples import batch_table, samples_from_table, staleness_stats
 from engines.verifiers import load_verifier
-from infra.checkpoints import fetch_checkpoint
+from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.tracking import log_metrics
 from tasks.common import Background

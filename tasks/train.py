@@ -35,7 +35,7 @@ import pyarrow as pa
 from engines.groups import GroupBuffer, group_key
 from engines.samples import samples_from_table, staleness_stats
 from engines.trainer import PolicyTrainer, TrainingSample
-from infra.checkpoints import fetch_checkpoint
+from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CommittedVersion
 from infra.streams.names import ShardRef, shard_key_tag

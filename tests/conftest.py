@@ -1,8 +1,33 @@
-"""Test-wide environment: no telemetry, quiet libraries, a patient ephemeral Prefect API."""
+"""Test-wide environment and the fixtures many test files share.
+
+Environment: no telemetry, quiet libraries, a patient ephemeral Prefect API.
+
+Fixtures (heavy imports stay inside them, so collecting a pure test imports nothing big):
+
+- models: ``tiny_policy`` builds a policy directory (random tiny causal LM and character
+  tokenizer, ``engines.model.build_tiny_policy``) and ``random_model_dir`` a bare random
+  Hugging Face model directory (no tokenizer). Both are session-scoped factories that
+  build each distinct model once; the directories are shared, so tests treat them as
+  read-only (copy one before altering it). ``tiny_dir`` is the smallest policy the
+  engines accept.
+- runs: ``local_run_config`` builds a RunConfig whose workdir, streams, checkpoints and
+  MLflow store all live under one directory (``local_run_settings`` lists those keys);
+  ``tracking_uri`` is a sqlite MLflow store for one module.
+"""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from infra.config import RunConfig
 
 os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -12,24 +37,101 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Random init gives near-uniform logits; scaling the embeddings up makes the
+# distributions peaked enough that greedy/top-p behave like a trained model.
+PEAKED_EMBEDDING_SCALE = 20.0
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+
+# ---------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``tiny_policy(**build_tiny_policy options)`` -> a policy directory.
+
+    Deterministic (the options include the seed), so each distinct set of options is
+    built once per session and shared.
+    """
+    built: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def build(**options: Any) -> Path:
+        from engines.model import build_tiny_policy
+
+        key = tuple(sorted(options.items()))
+        if key not in built:
+            built[key] = build_tiny_policy(tmp_path_factory.mktemp("tiny") / "policy", **options)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_policy: Callable[..., Path]) -> Path:
     """A random ~40k-parameter policy directory: the smallest the engines accept."""
-    from engines.model import build_tiny_policy
+    return tiny_policy(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
 
-    return build_tiny_policy(
-        tmp_path_factory.mktemp("tiny") / "policy",
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=64,
-        seed=0,
-    )
+
+def small_llama_config(**overrides: Any) -> PretrainedConfig:
+    """The suite's small Llama: 40-token vocabulary, 2 layers, grouped-query attention
+    (4 query heads, 2 key/value heads); token 0 is BOS, 1 EOS, 2 padding."""
+    from transformers import LlamaConfig
+
+    fields: dict[str, Any] = {
+        "vocab_size": 40,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+    }
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``random_model_dir(seed, config=None, *, peaked=True, **overrides)``.
+
+    Saves a randomly initialised causal LM (weights and config, no tokenizer) seeded by
+    `seed`: `config` (a Llama or Qwen2 config) or else ``small_llama_config(**overrides)``.
+    `peaked` scales the input embeddings by ``PEAKED_EMBEDDING_SCALE``. Each distinct
+    model is built once per session; the global torch RNG is left as it was.
+    """
+    built: dict[tuple[str, str, int, bool], Path] = {}
+
+    def build(
+        seed: int, config: PretrainedConfig | None = None, *, peaked: bool = True, **overrides: Any
+    ) -> Path:
+        import torch
+        from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        if config is None:
+            config = small_llama_config(**overrides)
+        elif overrides:
+            raise TypeError("pass either a config or overrides of the small Llama, not both")
+        key = (type(config).__name__, config.to_json_string(), seed, peaked)
+        if key not in built:
+            model_cls = Qwen2ForCausalLM if isinstance(config, Qwen2Config) else LlamaForCausalLM
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = model_cls(config).eval()
+            if peaked:
+                with torch.no_grad():
+                    model.get_input_embeddings().weight.mul_(PEAKED_EMBEDDING_SCALE)
+            path = tmp_path_factory.mktemp("random-model") / "model"
+            model.save_pretrained(path)
+            built[key] = path
+        return built[key]
+
+    return build
 
 
 @pytest.fixture(scope="module")
-def one_torch_thread():
+def one_torch_thread() -> Iterator[None]:
     """Bit-exact comparisons hold at one thread count: pin it for a whole module."""
     import torch
 
@@ -37,3 +139,42 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- runs
+
+
+def local_run_settings(root: Path) -> dict[str, str]:
+    """Config keys that keep every file of a run under `root`: the workdir, the streams
+    and checkpoints, and a sqlite MLflow store with its artifacts."""
+    return {
+        "workdir": str(root / "work"),
+        "storage.url": f"file://{root}/store",
+        "tracking.uri": f"sqlite:///{root}/mlflow.db",
+        "tracking.artifact_location": str(root / "mlartifacts"),
+    }
+
+
+@pytest.fixture(scope="session")
+def local_run_config() -> Callable[..., RunConfig]:
+    """Factory: ``local_run_config(root, *overrides)`` -> the built-in defaults, every
+    file under `root` (``local_run_settings``), then `overrides` ("key=value")."""
+
+    def make(root: Path, *overrides: str) -> RunConfig:
+        from infra.config import load_config
+
+        settings = [f"{key}={value}" for key, value in local_run_settings(root).items()]
+        return load_config(None, [*settings, *overrides])
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A sqlite MLflow store for one test module, its tables already created (that
+    costs seconds, so a module shares one store)."""
+    from infra.tracking import get_client
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    get_client(uri)
+    return uri

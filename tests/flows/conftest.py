@@ -2,6 +2,8 @@
 
 import pytest
 
+from tests.conftest import local_run_settings
+
 
 @pytest.fixture(scope="session")
 def prefect_api():
@@ -15,10 +17,7 @@ def tiny_run_overrides(tmp_path, **extra):
     """A run small enough for a 2-core CI box: random tiny model, a few steps."""
     base = {
         "name": "t",
-        "workdir": str(tmp_path / "work"),
-        "storage.url": f"file://{tmp_path}/store",
-        "tracking.uri": f"sqlite:///{tmp_path}/mlflow.db",
-        "tracking.artifact_location": str(tmp_path / "mlartifacts"),
+        **local_run_settings(tmp_path),
         "model.warm_start": "false",
         "model.tiny.hidden_size": "32",
         "model.tiny.num_layers": "1",

@@ -11,7 +11,6 @@ import torch
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
 from engines.loss import make_policy_loss
-from engines.model import build_tiny_policy
 from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
@@ -22,9 +21,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_policy(
-        tmp_path_factory.mktemp("tiny") / "policy",
+def tiny_dir(tiny_policy):
+    return tiny_policy(
         hidden_size=64,
         num_layers=2,
         num_heads=4,

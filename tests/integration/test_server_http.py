@@ -9,14 +9,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
@@ -29,28 +29,7 @@ from infra.serving.server import ServerThread, create_app
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 40
-
-
-def _save_model(path: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20.0)
-    model.save_pretrained(path)
-    return path
+VOCAB = 40  # the suite's small Llama (tests/conftest.py small_llama_config)
 
 
 @dataclass
@@ -62,17 +41,15 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("served")
-    v0, v1 = _save_model(root / "v0", 0), _save_model(root / "v1", 1)
+def served(one_torch_thread: None, random_model_dir: Callable[..., Path]) -> Iterator[Served]:
+    # Room for 400-token sequences.
+    v0 = random_model_dir(seed=0, max_position_embeddings=512)
+    v1 = random_model_dir(seed=1, max_position_embeddings=512)
     engine = InferenceEngine(v0, max_batch_size=4, max_seq_len=400, seed=0)
     server = ServerThread(create_app(engine, shutdown_engine_on_exit=True))
     url = server.start()
     yield Served(url, engine, v0, v1)
     server.stop()
-    torch.set_num_threads(previous)
 
 
 def _run(coro: object) -> object:

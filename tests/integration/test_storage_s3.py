@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from infra.checkpoints import fetch_checkpoint, save_checkpoint, verify_checkpoint
+from infra.checkpoint_cache import fetch_checkpoint
+from infra.checkpoints import save_checkpoint, verify_checkpoint
 from infra.storage import exists, list_names, open_filesystem, put_atomic, put_file
 
 pytestmark = pytest.mark.integration

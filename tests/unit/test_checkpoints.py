@@ -11,6 +11,8 @@ import hashlib
 import json
 import random
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -18,15 +20,16 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
+from infra.checkpoint_cache import fetch_checkpoint, prune_checkpoint_cache
 from infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointIncomplete,
-    fetch_checkpoint,
-    prune_checkpoint_cache,
     save_checkpoint,
     verify_checkpoint,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _memory_url() -> str:
@@ -41,45 +44,11 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny Llama (hidden 32, 2 layers) and character tokenizer saved as an HF directory."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config).eval()
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<unk>", "<s>", "</s>", *"0123456789+="])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    directory = tmp_path_factory.mktemp("tiny_policy")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory, model
-
-
 @pytest.fixture
-def hf_dir(tiny_policy, tmp_path: Path) -> Path:
-    """A private copy of the tiny policy directory that a test may alter."""
+def hf_dir(tiny_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny policy directory (an HF model and tokenizer) to alter."""
     copy = tmp_path / "source"
-    shutil.copytree(tiny_policy[0], copy)
+    shutil.copytree(tiny_dir, copy)
     return copy
 
 
@@ -315,16 +284,16 @@ def test_prune_keeps_the_most_recent_fetched_copies(hf_dir, tmp_path):
 def test_fetches_into_one_cache_reuse_a_digest_and_keep_the_newest_copies(
     hf_dir, tmp_path, monkeypatch
 ):
-    import infra.checkpoints as checkpoints
+    import infra.checkpoint_cache as checkpoint_cache
 
     downloads = []
-    real_download = checkpoints._download_verified
+    real_download = checkpoint_cache._download_verified
 
     def counting_download(fs, path, url, manifest, staging):
         downloads.append(url)
         return real_download(fs, path, url, manifest, staging)
 
-    monkeypatch.setattr(checkpoints, "_download_verified", counting_download)
+    monkeypatch.setattr(checkpoint_cache, "_download_verified", counting_download)
     cache = tmp_path / "cache"
     versions = []
     for i in range(3):
@@ -351,6 +320,55 @@ def test_fetches_into_one_cache_reuse_a_digest_and_keep_the_newest_copies(
     assert [p.name for p in cache.iterdir()] == [second.name]
     with pytest.raises(CheckpointError, match="keep_latest must be >= 1"):
         fetch_checkpoint(versions[1], cache, keep_latest=0)
+
+
+def test_pruning_never_deletes_a_copy_another_process_is_still_loading(hf_dir, tmp_path):
+    """The evaluate role, `sluice eval` and the benchmark share one cache and all prune it."""
+    cache = tmp_path / "cache"
+    (hf_dir / "generation_config.json").write_text(json.dumps({"i": 0}))
+    other_source = tmp_path / "v0"
+    shutil.copytree(hf_dir, other_source)
+    # The other process fetches version 0 and is still loading it when told to go on.
+    script = (
+        "import sys\n"
+        "from infra.checkpoint_cache import fetch_checkpoint\n"
+        "from infra.checkpoints import save_checkpoint, verify_checkpoint\n"
+        f"url = save_checkpoint({str(other_source)!r}, 'memory://other-process/v0')\n"
+        f"local = fetch_checkpoint(url, {str(cache)!r}, keep_latest=2)\n"
+        "print(local, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "verify_checkpoint(str(local))\n"
+        "print('loaded', flush=True)\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        held = Path(other.stdout.readline().strip())
+        assert held.parent == cache, other.stderr.read()
+        # Meanwhile this process fetches three newer versions, pruning to two each time.
+        newer = []
+        for i in (1, 2, 3):
+            (hf_dir / "generation_config.json").write_text(json.dumps({"i": i}))
+            newer.append(
+                fetch_checkpoint(save_checkpoint(hf_dir, _memory_url()), cache, keep_latest=2)
+            )
+        assert held.is_dir()  # in use: kept beyond keep_latest
+        assert not newer[0].exists()  # not in use: pruned as before
+        out, err = other.communicate("go\n", timeout=120)
+    finally:
+        other.kill()
+        other.wait()
+    assert other.returncode == 0, err
+    assert out.splitlines() == ["loaded"]
+    # Its holder has exited: the next fetch prunes it like any other copy.
+    fetch_checkpoint(save_checkpoint(hf_dir, _memory_url()), cache, keep_latest=2)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([newer[1].name, newer[2].name])
 
 
 def test_random_trees_round_trip_and_any_truncation_is_detected(tmp_path):

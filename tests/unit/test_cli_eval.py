@@ -8,6 +8,7 @@ Prefect is never started: every case here stops before the flow would run.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,16 +29,10 @@ def _save_run(workdir: Path, run_id: str, config: RunConfig) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run_config(tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
-    root = tmp_path_factory.mktemp("cli-eval")
-    return load_config(
-        None,
-        [
-            f"workdir={root / 'work'}",
-            f"storage.url=file://{root}/store",
-            f"tracking.uri=sqlite:///{root}/mlflow.db",
-        ],
-    )
+def run_config(
+    local_run_config: Callable[..., RunConfig], tmp_path_factory: pytest.TempPathFactory
+) -> RunConfig:
+    return local_run_config(tmp_path_factory.mktemp("cli-eval"))
 
 
 @pytest.fixture(scope="module")

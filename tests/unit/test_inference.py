@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engines.inference.engine import InferenceEngine
 from engines.inference.kv_cache import decode_buckets
@@ -21,56 +22,21 @@ from engines.inference.types import (
     WeightLoadError,
 )
 
+# The suite's small Llama (tests/conftest.py small_llama_config): vocabulary and EOS token.
 VOCAB = 40
 EOS = 1
 
-
-def _llama_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=EOS,
-        pad_token_id=2,
-    )
-
-
-def _save_model(path: Path, seed: int, config: LlamaConfig | Qwen2Config | None = None) -> Path:
-    torch.manual_seed(seed)
-    config = config or _llama_config()
-    model_cls = Qwen2ForCausalLM if isinstance(config, Qwen2Config) else LlamaForCausalLM
-    model = model_cls(config).eval()
-    # Random init gives near-uniform logits; a larger embedding scale makes the
-    # distributions peaked enough that greedy/top-p behave like a trained model.
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20.0)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch() -> object:
-    """Tiny models run fastest single-threaded; threads only contend on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# Tiny models run fastest single-threaded; threads only contend on a shared CPU.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    wider = _llama_config()
-    wider.hidden_size = 64
+def model_dirs(random_model_dir: Callable[..., Path]) -> dict[str, Path]:
     return {
-        "v0": _save_model(root / "v0", seed=0),
-        "v1": _save_model(root / "v1", seed=1),
-        "wider": _save_model(root / "wider", seed=2, config=wider),
+        "v0": random_model_dir(seed=0),
+        "v1": random_model_dir(seed=1),
+        # Wider hidden state, same head size: the weights cannot load into v0's engine.
+        "wider": random_model_dir(seed=2, hidden_size=64, head_dim=12),
     }
 
 
@@ -220,10 +186,10 @@ def test_top_k_one_equals_greedy(model_dirs: dict[str, Path]) -> None:
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-forward", "hf-forward"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
-    tmp_path: Path, arch: str, fast: bool
+    random_model_dir: Callable[..., Path], arch: str, fast: bool
 ) -> None:
     if arch == "qwen2":
-        config: LlamaConfig | Qwen2Config = Qwen2Config(
+        config: Qwen2Config | None = Qwen2Config(
             vocab_size=VOCAB,
             hidden_size=48,
             intermediate_size=96,
@@ -235,8 +201,8 @@ def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
         )
         model_cls: type = Qwen2ForCausalLM
     else:
-        config, model_cls = _llama_config(), LlamaForCausalLM
-    model_dir = _save_model(tmp_path / arch, seed=5, config=config)
+        config, model_cls = None, LlamaForCausalLM  # the suite's small Llama
+    model_dir = random_model_dir(seed=5, config=config)
     engine = _engine(model_dir, fast_forward=fast)
     assert (engine._batch.fast is not None) == fast
     outputs = engine.generate(

@@ -46,10 +46,10 @@ def test_rows_without_a_size_get_no_size_split():
     assert reward_by_size([{"prompt": "x"}], [1.0], 1) == {}
 
 
-def test_every_new_metric_name_is_one_mlflow_accepts(tmp_path):
+def test_every_new_metric_name_is_one_mlflow_accepts(tmp_path, tracking_uri):
     from infra.tracking import get_metric_history, log_metrics, start_or_resume_run
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = tracking_uri
     run = start_or_resume_run(uri, "names", "r", artifact_location=str(tmp_path / "a"))
     rows = [{"num_terms": n} for n in (2, 3, 5, 9, 17)]
     metrics = {

@@ -21,8 +21,8 @@ SMALL = dict(
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_policy(tmp_path_factory.mktemp("tiny") / "policy", seed=7, **SMALL)
+def tiny_dir(tiny_policy):
+    return tiny_policy(seed=7, **SMALL)
 
 
 def test_char_tokenizer_round_trips_text_and_prepends_bos():

@@ -6,18 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from engines.problems import (
-    REQUIRED_ROW_KEYS,
-    DatasetFormatError,
-    DatasetProblem,
-    LongTailSum,
-    Problem,
-    get_problem,
-    length_report,
-    load_dataset_rows,
-    solution_lengths,
-    split_of,
-)
+from engines.problems.base import REQUIRED_ROW_KEYS, Problem, split_of
+from engines.problems.dataset import DatasetFormatError, DatasetProblem, load_dataset_rows
+from engines.problems.lengths import length_report, solution_lengths
+from engines.problems.longtail import LongTailSum
+from engines.problems.registry import get_problem
 
 
 def test_worked_solution_for_a_hand_made_prompt():

@@ -51,13 +51,6 @@ from infra.tracking import (  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-    get_client(uri)  # create the tables once for the whole module
-    return uri
-
-
 @pytest.fixture
 def registry(tracking_uri: str) -> CheckpointRegistry:
     return CheckpointRegistry(tracking_uri, f"policy-{uuid.uuid4().hex[:8]}")

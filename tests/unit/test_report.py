@@ -7,6 +7,7 @@ in an experiment of its own, so its id is not MLflow's default experiment 0.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from infra.checkpoints import save_checkpoint  # noqa: E402
-from infra.config import RunConfig, load_config  # noqa: E402
+from infra.config import RunConfig  # noqa: E402
 from infra.tracking import get_client, log_metrics, start_or_resume_run  # noqa: E402
 from tasks.common import run_registry  # noqa: E402
 from tasks.report import (  # noqa: E402
@@ -28,17 +29,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
-    root = tmp_path_factory.mktemp("report")
-    config = load_config(
-        None,
-        [
-            f"tracking.uri=sqlite:///{root}/mlflow.db",
-            f"tracking.artifact_location={root}/mlartifacts",
-            "tracking.experiment=report-test",
-            f"storage.url=file://{root}/store",
-        ],
-    )
+def config(
+    local_run_config: Callable[..., RunConfig], tmp_path_factory: pytest.TempPathFactory
+) -> RunConfig:
+    config = local_run_config(tmp_path_factory.mktemp("report"), "tracking.experiment=report-test")
     get_client(config.tracking.uri)  # create the tables once for the whole module
     return config
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from engines.samples import (
     score_table,
     staleness_stats,
 )
-from infra.config import RunConfig, load_config
+from infra.config import RunConfig
 from infra.registry import CommittedVersion
 from infra.streams.reader import StreamReader
 from infra.streams.schema import table_from_rows
@@ -42,16 +43,8 @@ from tasks.role import Role, StopRequested
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> RunConfig:
-    return load_config(
-        None,
-        [
-            f"workdir={tmp_path / 'work'}",
-            f"storage.url=file://{tmp_path}/store",
-            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-            "rollout.poll_interval_s=0.01",
-        ],
-    )
+def config(local_run_config: Callable[..., RunConfig], tmp_path: Path) -> RunConfig:
+    return local_run_config(tmp_path, "rollout.poll_interval_s=0.01")
 
 
 def version(policy_version: int) -> CommittedVersion:

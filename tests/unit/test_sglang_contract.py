@@ -15,14 +15,14 @@ import asyncio
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from engines.inference.engine import InferenceEngine
 from infra.serving.client import InferenceClient
@@ -81,8 +81,7 @@ def api() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
+def model_dir(random_model_dir: Callable[..., Path]) -> Path:
     config = LlamaConfig(
         vocab_size=40,
         hidden_size=32,
@@ -93,9 +92,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=128,
         eos_token_id=1,
     )
-    path = tmp_path_factory.mktemp("contract") / "model"
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return random_model_dir(seed=0, config=config, peaked=False)
 
 
 class _Recorder(httpx.AsyncBaseTransport):

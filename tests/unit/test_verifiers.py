@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engines.problems import LongTailSum
+from engines.problems.longtail import LongTailSum
 from engines.sandbox import run_python
 from engines.verifiers import (
     VerifierSpecError,

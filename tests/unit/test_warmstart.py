@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.model import build_tiny_policy, load_policy_dir
-from engines.problems import LongTailSum
+from engines.model import load_policy_dir
+from engines.problems.longtail import LongTailSum
 from engines.warmstart import (
     IGNORE_INDEX,
     WARM_START_MARKER,
@@ -26,8 +26,8 @@ PROBLEM = LongTailSum(max_terms=6)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_policy(tmp_path_factory.mktemp("warm") / "policy", seed=0, **SMALL)
+def tiny_dir(tiny_policy):
+    return tiny_policy(seed=0, **SMALL)
 
 
 def _examples(tokenizer, n, seed):
