@@ -159,9 +159,11 @@ def choose_target(wanted: list[CommittedVersion], finished: bool) -> CommittedVe
 
     Oldest first for a readable curve, but never fall behind by more than one: with
     several waiting the newest goes next, unless the run has finished and there is time
-    for all of them.
+    for all of them. Version 0 always goes first: it is the start of every held-out
+    curve and the baseline the run summary reports, so it is never skipped (a short
+    run can commit several versions before the evaluator's first look).
     """
-    if len(wanted) == 1 or finished:
+    if len(wanted) == 1 or finished or wanted[0].policy_version == 0:
         return wanted[0]
     return wanted[-1]
 

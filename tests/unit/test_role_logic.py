@@ -414,6 +414,8 @@ def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_be
     assert choose_target(waiting, finished=False).policy_version == 8  # newest while running
     assert choose_target(waiting, finished=True).policy_version == 4  # all of them at the end
     assert choose_target([version(4)], finished=False).policy_version == 4
+    # A short run can commit versions before the evaluator looks: the start comes first.
+    assert choose_target([version(0), version(4)], finished=False).policy_version == 0
 
 
 def test_a_signal_is_seen_without_reading_storage_but_the_done_marker_is_not(config):
