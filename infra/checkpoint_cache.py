@@ -47,10 +47,11 @@ from pydantic import ValidationError
 from infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
-    CheckpointIncomplete,
     Manifest,
+    check_file,
     hash_stream,
     open_checkpoint_fs,
+    raise_missing,
     read_manifest,
     storage_errors,
     verify_checkpoint,
@@ -145,18 +146,8 @@ def _download_verified(fs: Any, path: str, url: str, manifest: Manifest, staging
             with fs.open(f"{path}/{entry.name}", "rb") as source, open(dest, "wb") as sink:
                 size, sha256 = hash_stream(source, sink)
         except FileNotFoundError:
-            raise CheckpointIncomplete(
-                f"checkpoint {url!r} is incomplete: {entry.name} is missing"
-            ) from None
-        if size != entry.size_bytes:
-            raise CheckpointIncomplete(
-                f"checkpoint {url!r} is incomplete: {entry.name} has {size} bytes, "
-                f"manifest says {entry.size_bytes}"
-            )
-        if sha256 != entry.sha256:
-            raise CheckpointIncomplete(
-                f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
-            )
+            raise_missing(url, entry.name)
+        check_file(url, entry, size, sha256)
     # Staged: the directory becomes visible, fsynced, only once this is written too.
     (staging / MANIFEST_NAME).write_bytes(manifest.to_json().encode())
 

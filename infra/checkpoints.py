@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -276,23 +276,31 @@ def verify_checkpoint(
             try:
                 size = int(fs.info(file_path)["size"])
             except FileNotFoundError:
-                raise CheckpointIncomplete(
-                    f"checkpoint {url!r} is incomplete: {entry.name} is missing"
-                ) from None
-            if size != entry.size_bytes:
-                raise CheckpointIncomplete(
-                    f"checkpoint {url!r} is incomplete: {entry.name} has {size} bytes, "
-                    f"manifest says {entry.size_bytes}"
-                )
+                raise_missing(url, entry.name)
+            check_file(url, entry, size)
             if not check_hashes:
                 continue
             with fs.open(file_path, "rb") as handle:
                 _size, sha256 = hash_stream(handle)
-            if sha256 != entry.sha256:
-                raise CheckpointIncomplete(
-                    f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
-                )
+            check_file(url, entry, size, sha256)
     return manifest
+
+
+def raise_missing(url: str, name: str) -> NoReturn:
+    raise CheckpointIncomplete(f"checkpoint {url!r} is incomplete: {name} is missing") from None
+
+
+def check_file(url: str, entry: ManifestEntry, size: int, sha256: str | None = None) -> None:
+    """One file of checkpoint `url` against its manifest entry (the hash only when given)."""
+    if size != entry.size_bytes:
+        raise CheckpointIncomplete(
+            f"checkpoint {url!r} is incomplete: {entry.name} has {size} bytes, "
+            f"manifest says {entry.size_bytes}"
+        )
+    if sha256 is not None and sha256 != entry.sha256:
+        raise CheckpointIncomplete(
+            f"checkpoint {url!r} is corrupt: {entry.name} does not match its sha256"
+        )
 
 
 # ---------------------------------------------------------------- save
