@@ -14,9 +14,13 @@ Speed on small models (where a step's fixed costs, not its arithmetic, decide):
 - prefill packs whole sequences without padding, in chunks of
   ``max_prefill_tokens`` sized to stay in a CPU's cache; after a weight update
   every in-flight sequence is recomputed in these packed chunks;
-- resident sequences keep their admission order in the slots, so decode attention
-  runs over ranges of rows of similar length (``decode_buckets``) instead of
-  padding every row to the longest.
+- resident sequences keep their admission order in the slots (up to a shuffle
+  among rows within a factor of two of each other's length, see ``release``), so
+  decode attention runs over ranges of rows of similar length (``decode_buckets``)
+  instead of padding every row to the longest;
+- a decode step writes each layer's new K and V with one ``index_copy_`` each, and
+  a GRPO group's samples copy their cached prompt K/V into their slots in one copy;
+- sampling takes scalar fast paths when the batch shares one temperature.
 
 Prefill and decode run as separate forward passes of one scheduler step (SGLang
 can mix them in one).
@@ -119,7 +123,7 @@ class SlotBatch:
             max_bytes=kv_bytes // 4,
         )
         self.running: list[RequestState] = []
-        """Resident sequences; ``running[i]`` occupies slot i (admission order)."""
+        """Resident sequences; ``running[i]`` occupies slot i (see ``release`` for the order)."""
         self.decode_forwards = 0
         self.prefill_forwards = 0
         self.generated_tokens = 0
@@ -175,7 +179,8 @@ class SlotBatch:
         self, seqs: list[RequestState], step: int, version: int
     ) -> list[Finished]:
         finished: list[Finished] = []
-        entries = []
+        entries: list[tuple[RequestState, PromptEntry]] = []
+        first_slot = len(self.running)  # of the run of slots that share entries[-1]
         for seq in seqs:
             entry = self.prompts.get(seq.prompt)
             if entry is None:  # evicted within this admission (cache smaller than it)
@@ -183,15 +188,26 @@ class SlotBatch:
                 continue
             if seq.admitted_step is None:
                 seq.admitted_step = step
-            self.cache.load(len(self.running), entry.keys, entry.values)
+            if not entries or entries[-1][1] is not entry:
+                # A GRPO group's samples arrive together: one copy per group, not per sample.
+                self._load_run(entries, first_slot)
+                first_slot = len(self.running)
             self.running.append(seq)
             entries.append((seq, entry))
+        self._load_run(entries, first_slot)
         self.prompts.hits += len(entries)
         if entries:
             finished += self._sample_and_advance(
                 [seq for seq, _ in entries], torch.stack([e.logits for _, e in entries]), version
             )
         return finished
+
+    def _load_run(self, entries: list[tuple[RequestState, PromptEntry]], first_slot: int) -> None:
+        """Copy the last entry's K/V into the slots from ``first_slot`` to the end."""
+        copies = len(self.running) - first_slot
+        if entries and copies:
+            entry = entries[-1][1]
+            self.cache.load(first_slot, entry.keys, entry.values, copies=copies)
 
     def _prefill_chunk(self, seqs: list[RequestState], step: int, version: int) -> list[Finished]:
         start = len(self.running)
@@ -254,13 +270,14 @@ class SlotBatch:
     def decode(self, *, version: int) -> list[Finished]:
         """One decode step over every resident sequence."""
         seqs = list(self.running)
-        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
+        position_list = [s.num_tokens - 1 for s in seqs]
+        positions = torch.tensor(position_list, device=self.device)
         input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        kv_length = int(positions.max().item()) + 1
+        kv_length = max(position_list) + 1
         keys = torch.arange(kv_length, device=self.device)
         mask = torch.zeros((len(seqs), 1, 1, kv_length), dtype=self.dtype, device=self.device)
         mask.masked_fill_((keys[None, :] > positions[:, None])[:, None, None, :], self._mask_min)
-        self.cache.plan_decode(positions, kv_length)
+        self.cache.plan_decode(position_list, kv_length)
         hidden = self._forward(input_ids, positions[:, None], mask)
         logits = self._lm_head(hidden[:, -1]).float()
         self.decode_forwards += 1
@@ -293,21 +310,47 @@ class SlotBatch:
         return finished
 
     def release(self, seqs: list[RequestState]) -> None:
-        """Take sequences out of their slots and close the gaps, keeping the rest in slot order.
+        """Take sequences out of their slots and close the gaps.
 
-        Slot order is admission order, so the K/V lengths of slots ``[0, b)`` fall
-        from first to last (new sequences are admitted behind the old ones, and a
-        decode step lengthens every row by one); the decode attention buckets rows by
-        that order (``decode_buckets``). Each survivor behind a gap moves up once.
+        Resident K/V lengths fall from the first slot to the last (new sequences are
+        admitted behind the old ones, and a decode step lengthens every row by one),
+        and the decode attention buckets rows by that order (``decode_buckets``).
+        Two ways to close the gaps keep that good enough:
+
+        - when every survivor is within a factor of two of the longest, they attend
+          as one range whatever their order (and stay so: lengths that grow together
+          grow closer in ratio), so each gap takes one survivor from the tail, the
+          fewest rows moved, and no copy overlaps its source;
+        - otherwise every survivor behind a gap moves up, once, keeping the order.
         """
         leaving = {id(s) for s in seqs}
+        survivors = [s for s in self.running if id(s) not in leaving]
+        if survivors and 2 * min(s.num_tokens for s in survivors) >= max(
+            s.num_tokens for s in survivors
+        ):
+            self._fill_gaps_from_tail(leaving, len(survivors))
+        else:
+            self._shift_survivors_up(leaving)
+
+    def _fill_gaps_from_tail(self, leaving: set[int], keep: int) -> None:
+        gaps = [slot for slot, s in enumerate(self.running[:keep]) if id(s) in leaving]
+        movers = [slot for slot, s in enumerate(self.running[keep:], keep) if id(s) not in leaving]
+        if movers:
+            # A resident sequence's KV covers all its tokens but the newest.
+            length = max(self.running[slot].num_tokens for slot in movers) - 1
+            self.cache.move(movers, gaps, length)
+        survivors = self.running[:keep]
+        for gap, mover in zip(gaps, movers, strict=True):
+            survivors[gap] = self.running[mover]
+        self.running[:] = survivors
+
+    def _shift_survivors_up(self, leaving: set[int]) -> None:
         survivors: list[RequestState] = []
         run: list[int] = []  # consecutive survivors that move up by the same gap
 
         def flush() -> None:
             if run:
-                # A resident sequence's KV covers all its tokens but the newest; the
-                # run's first row is its longest (slot order).
+                # The run's first row is its longest (slot order).
                 length = max(self.running[slot].num_tokens for slot in run) - 1
                 self.cache.shift(run[0], run[0] - gap, len(run), length)
                 run.clear()

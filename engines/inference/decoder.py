@@ -10,7 +10,12 @@ step. This forward does the same arithmetic with fewer, larger calls:
   a weight update that copies into the model's parameters updates the fused
   tensors too, and the Hugging Face forward (still used by anything else that holds
   the model) computes with the same numbers;
-- the rotary cos/sin are computed once per forward, not once per layer;
+- on a CPU every projection weight is stored column-major (the transpose is the
+  contiguous tensor, the ``[out, in]`` parameter a view of it): ``F.linear`` then
+  runs a plain GEMM instead of one with a transposed operand, which at decode sizes
+  (8-64 rows, 128-768 wide) is 15-50% faster per projection;
+- the rotary cos/sin are gathered once per forward, not computed once per layer, and
+  rotating half the head is one ``roll`` against a sign-folded sin table;
 - RMSNorm is ``torch.nn.functional.rms_norm``.
 
 The result matches the Hugging Face forward up to float rounding (see
@@ -59,14 +64,23 @@ def supports(model: Any) -> bool:
     return True
 
 
-def _fuse(modules: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
-    """One tensor holding ``attr`` of every module, each module's own rebound to a view."""
+def _fuse(
+    modules: list[torch.nn.Linear], attr: str, *, column_major: bool = False
+) -> torch.Tensor | None:
+    """One tensor holding ``attr`` of every module, each module's own rebound to a view.
+
+    ``column_major`` (weights only): the ``[in, sum(out)]`` transpose is what is
+    allocated, and the returned ``[sum(out), in]`` tensor is a view of it.
+    """
     parts = [getattr(m, attr) for m in modules]
     if any(p is None for p in parts):
         if not all(p is None for p in parts):
             raise ValueError(f"some projections have a {attr} and some do not")
         return None
-    fused = torch.cat([p.detach() for p in parts], dim=0)
+    if column_major:
+        fused = torch.cat([p.detach().t() for p in parts], dim=1).contiguous().t()
+    else:
+        fused = torch.cat([p.detach() for p in parts], dim=0)
     offset = 0
     for module, part in zip(modules, parts, strict=True):
         rows = part.shape[0]
@@ -99,25 +113,36 @@ class FastDecoder:
         probe = torch.zeros((), dtype=self.embed.dtype, device=self.embed.device)
         with torch.no_grad():
             cos, sin = self.rotary(probe, positions.to(self.embed.device))
-        self.cos, self.sin = cos[0], sin[0]
+        # rotate_half(x) = (-x2, x1) = roll(x, half) * (-1, ..., -1, 1, ..., 1): the sign
+        # goes into the sin table once (negation is exact, so the numbers do not change).
+        half = self.head_dim // 2
+        sign = torch.ones(self.head_dim, dtype=sin.dtype, device=sin.device)
+        sign[:half] = -1
+        self.cos, self.sin_signed = cos[0], sin[0] * sign
+        # Only on a CPU: a GPU's GEMM takes either layout at the same speed.
+        column_major = self.embed.device.type == "cpu"
         self.layers: list[_Layer] = []
         with torch.no_grad():
             for layer in decoder.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-                qkv_weight = _fuse(qkv, "weight")
-                gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+                qkv_weight = _fuse(qkv, "weight", column_major=column_major)
+                o_weight = _fuse([attn.o_proj], "weight", column_major=column_major)
+                gate_up = [mlp.gate_proj, mlp.up_proj]
+                gate_up_weight = _fuse(gate_up, "weight", column_major=column_major)
+                down_weight = _fuse([mlp.down_proj], "weight", column_major=column_major)
                 assert qkv_weight is not None and gate_up_weight is not None
+                assert o_weight is not None and down_weight is not None
                 self.layers.append(
                     _Layer(
                         ln_in=layer.input_layernorm.weight,
                         qkv_weight=qkv_weight,
                         qkv_bias=_fuse(qkv, "bias"),
-                        o_weight=attn.o_proj.weight,
+                        o_weight=o_weight,
                         o_bias=attn.o_proj.bias,
                         ln_post=layer.post_attention_layernorm.weight,
                         gate_up_weight=gate_up_weight,
-                        down_weight=mlp.down_proj.weight,
+                        down_weight=down_weight,
                     )
                 )
 
@@ -131,7 +156,8 @@ class FastDecoder:
         rows, width = input_ids.shape
         hidden = F.embedding(input_ids, self.embed)
         # [rows, width, 1, head_dim]: broadcast over the q and k heads together.
-        cos, sin = self.cos[position_ids][:, :, None], self.sin[position_ids][:, :, None]
+        cos = self.cos[position_ids][:, :, None]
+        sin = self.sin_signed[position_ids][:, :, None]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         size = hidden.shape[-1]
@@ -141,7 +167,7 @@ class FastDecoder:
             qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
             # One rotary pass over the q and k heads side by side.
             qk = qkv[..., : q_size + kv_size].view(rows, width, heads + kv_heads, head_dim)
-            qk = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)
+            qk = (qk * cos + qk.roll(head_dim // 2, -1) * sin).transpose(1, 2)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[..., q_size + kv_size :].view(rows, width, kv_heads, head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
@@ -173,7 +199,7 @@ class FastDecoder:
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         total = ids.shape[0]
         hidden = F.embedding(ids, self.embed)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         size = hidden.shape[-1]
@@ -185,7 +211,7 @@ class FastDecoder:
             normed = F.rms_norm(hidden, (size,), layer.ln_in, self.eps)
             qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
             qk = qkv[:, : q_size + kv_size].view(total, heads + kv_heads, head_dim)
-            qk = (qk * cos + _rotate_half(qk) * sin).transpose(0, 1)  # [heads+kv, N, d]
+            qk = (qk * cos + qk.roll(head_dim // 2, -1) * sin).transpose(0, 1)  # [heads+kv, N, d]
             v = qkv[:, q_size + kv_size :].view(total, kv_heads, head_dim).transpose(0, 1)
             key_buffer, value_buffer = cache.keys[index], cache.values[index]
             attended = torch.empty((heads, total, head_dim), dtype=hidden.dtype, device=device)
@@ -245,8 +271,3 @@ class FastDecoder:
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scaling).add_(mask)
         out = torch.matmul(scores.softmax(dim=-1), values)
         return out.reshape(rows, self.num_heads, 1, self.head_dim)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,8 +1,9 @@
 """The engine's preallocated per-slot K/V cache and how decode attention reads it.
 
-Resident sequences always occupy slots ``[0, b)`` in admission order (the engine
-compacts on release), so a decode step reads views of the cache, not gathers, and
-rows of similar length can attend together (``decode_buckets``).
+Resident sequences always occupy slots ``[0, b)`` with lengths falling from the
+first to the last (the engine compacts on release), so a decode step reads views of
+the cache, not gathers, and rows of similar length can attend together
+(``decode_buckets``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def decode_buckets(lengths: list[int]) -> list[tuple[int, int, int]]:
     One padded batch makes every row read the longest row's keys; decode attention
     on a CPU is bound by reading the K/V cache, so that padding is most of its cost
     when response lengths are long-tailed. Resident rows are kept in admission
-    order (lengths fall from first to last), so contiguous ranges are views into
+    order (lengths fall from first to last, but for rows within a factor of two of
+    each other, which never split a range), so contiguous ranges are views into
     the cache: a new range starts where a row needs under half the keys of its
     range's first row, at most four ranges, none under eight rows.
     """
@@ -65,19 +67,27 @@ class SlotKVCache:
         self._mode = "prefill"
         self._start = 0
         self._length = 0
-        self._rows: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
+        self._rows = 0
+        self._flat_index: torch.Tensor | None = None
+        self._heads = torch.arange(kv_heads, device=device)
         self.decode_buckets: list[tuple[int, int, int]] = []
         """Set by ``plan_decode``: see ``decode_buckets``."""
 
     def plan_prefill(self, start: int, length: int) -> None:
         self._mode, self._start, self._length = "prefill", start, length
 
-    def plan_decode(self, positions: torch.Tensor, kv_length: int) -> None:
-        self._mode, self._length = "decode", kv_length
-        self._positions = positions
-        self._rows = torch.arange(positions.shape[0], device=positions.device)
-        self.decode_buckets = decode_buckets((positions + 1).tolist())
+    def plan_decode(self, positions: list[int], kv_length: int) -> None:
+        """Rows ``[0, len(positions))`` each write one token at their own position."""
+        self._mode, self._length, self._rows = "decode", kv_length, len(positions)
+        # Row r, head h, position p of a [slots, heads, seq, dim] tensor is row
+        # (r * heads + h) * seq + p of its [-1, dim] view: one index_copy_ per tensor
+        # writes every row's new K (or V), cheaper than a two-index advanced assignment.
+        _, heads, seq, _ = self.keys[0].shape
+        position_t = torch.tensor(positions, device=self._heads.device)
+        rows = torch.arange(len(positions), device=self._heads.device)
+        flat = (rows[:, None] * heads + self._heads) * seq + position_t[:, None]
+        self._flat_index = flat.view(-1)
+        self.decode_buckets = decode_buckets([p + 1 for p in positions])
 
     def update(
         self,
@@ -94,9 +104,10 @@ class SlotKVCache:
             keys[self._start : end, :, :t] = key_states
             values[self._start : end, :, :t] = value_states
             return keys[self._start : end, :, :t], values[self._start : end, :, :t]
-        assert self._rows is not None and self._positions is not None
-        keys[self._rows, :, self._positions] = key_states[:, :, 0]
-        values[self._rows, :, self._positions] = value_states[:, :, 0]
+        assert self._flat_index is not None and rows == self._rows
+        dim = keys.shape[-1]
+        keys.view(-1, dim).index_copy_(0, self._flat_index, key_states.reshape(-1, dim))
+        values.view(-1, dim).index_copy_(0, self._flat_index, value_states.reshape(-1, dim))
         return keys[:rows, :, : self._length], values[:rows, :, : self._length]
 
     def snapshot(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -106,13 +117,35 @@ class SlotKVCache:
             [v[slot, :, :length].clone() for v in self.values],
         )
 
-    def load(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write stored per-layer K/V (``[kv_heads, P, head_dim]``) into a slot at ``[0, P)``."""
+    def load(
+        self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], copies: int = 1
+    ) -> None:
+        """Write stored per-layer K/V (``[kv_heads, P, head_dim]``) at ``[0, P)`` of slots
+        ``[slot, slot + copies)``."""
         length = keys[0].shape[1]
+        end = slot + copies
         for dst, src in zip(self.keys, keys, strict=True):
-            dst[slot, :, :length] = src
+            dst[slot:end, :, :length] = src
         for dst, src in zip(self.values, values, strict=True):
-            dst[slot, :, :length] = src
+            dst[slot:end, :, :length] = src
+
+    @torch.inference_mode()
+    def move(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Copy slot ``sources[i]`` to ``targets[i]`` over positions ``[0, length)``.
+
+        The two lists must not share a slot (nothing is read after it is written).
+        """
+        if len(sources) == 1:
+            (source,), (target,) = sources, targets
+            for tensor in (*self.keys, *self.values):
+                tensor[target, :, :length] = tensor[source, :, :length]
+            return
+        device = self.keys[0].device
+        source_t = torch.tensor(sources, device=device)
+        target_t = torch.tensor(targets, device=device)
+        for tensor in (*self.keys, *self.values):
+            window = tensor[:, :, :length]
+            window.index_copy_(0, target_t, window.index_select(0, source_t))
 
     @torch.inference_mode()
     def shift(self, source: int, target: int, rows: int, length: int) -> None:

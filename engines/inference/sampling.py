@@ -36,9 +36,15 @@ def sample_tokens(
     """
     device = logits.device
     temps = [p.temperature for p in params]
-    greedy = torch.tensor([t == 0.0 for t in temps], device=device)
-    temperature = torch.tensor([t if t > 0.0 else 1.0 for t in temps], device=device)
-    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
+    greedy_rows = [t == 0.0 for t in temps]
+    if all(t == temps[0] for t in temps):
+        # One temperature for the whole batch (the usual case): a scalar divide, and
+        # none at 1.0 (x / 1.0 == x exactly), instead of a per-row tensor.
+        scaled = logits if temps[0] in (0.0, 1.0) else logits / temps[0]
+    else:
+        temperature = torch.tensor([t if t > 0.0 else 1.0 for t in temps], device=device)
+        scaled = logits / temperature[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
     probs = logp.exp()
     if any(p.top_p < 1.0 or p.top_k_active for p in params):
         vocab = logits.shape[-1]
@@ -55,10 +61,15 @@ def sample_tokens(
     uniforms = counter_uniforms(seeds, counters)
     cdf = probs.double().cumsum(dim=-1)
     targets = torch.as_tensor(uniforms, device=device)[:, None] * cdf[:, -1:]
-    sampled = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)
-    # Guard against landing on a zero-probability token through rounding at the top end.
-    last_nonzero = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)
-    sampled = torch.where(probs.gather(1, sampled) > 0, sampled, last_nonzero)
-    chosen = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), sampled)
+    chosen = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)
+    landed_on_zero = probs.gather(1, chosen) <= 0
+    if bool(landed_on_zero.any()):
+        # Rounding at the top end of the cdf can land on a zero-probability token:
+        # take the last token with mass instead.
+        last_nonzero = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)
+        chosen = torch.where(landed_on_zero, last_nonzero, chosen)
+    if any(greedy_rows):
+        greedy = torch.tensor(greedy_rows, device=device)
+        chosen = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), chosen)
     chosen_logp = logp.gather(1, chosen)
     return chosen[:, 0].tolist(), chosen_logp[:, 0].tolist()

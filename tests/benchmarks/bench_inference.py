@@ -68,16 +68,26 @@ PAD = 0
 EOS = 1
 
 
-def build_model(path: Path, seed: int) -> Path:
-    """A ~1.1M-parameter Llama shaped like Sluice's embedded default policy (one layer more)."""
+MODEL_SHAPES = {
+    # ~1.1M parameters: Sluice's embedded default policy, one layer more.
+    "tiny": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 5, "heads": 4},
+    # ~85M parameters: a GPU-sized decoder (GPT-2 small's width and depth), where a
+    # decode step reads enough weights and K/V to be bound by memory, not by launches.
+    "small": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "heads": 12},
+}
+
+
+def build_model(path: Path, seed: int, shape: str = "tiny") -> Path:
+    """A random-init Llama of one of ``MODEL_SHAPES``, saved in Hugging Face format."""
     torch.manual_seed(seed)
+    dims = MODEL_SHAPES[shape]
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_hidden_layers=dims["num_hidden_layers"],
+        num_attention_heads=dims["heads"],
+        num_key_value_heads=dims["heads"],
         max_position_embeddings=1024,
         bos_token_id=2,
         eos_token_id=EOS,
@@ -150,8 +160,8 @@ def run_hf(
         longest = max(r.sampling.max_new_tokens for r in chunk)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
+                input_ids=input_ids.to(model.device),
+                attention_mask=attention.to(model.device),
                 do_sample=True,
                 temperature=1.0,
                 top_k=0,
@@ -162,6 +172,8 @@ def run_hf(
                 eos_token_id=None,
             )
         assert out.shape[1] - width == longest
+        if out.is_cuda:
+            torch.cuda.synchronize()
         useful += sum(r.sampling.max_new_tokens for r in chunk)
         decoded += len(chunk) * longest
     return useful, time.perf_counter() - start, decoded
@@ -171,6 +183,8 @@ def stream_window(
     model_dirs: list[Path],
     mode: str,
     *,
+    device: str,
+    dtype: str,
     batch: int,
     max_seq_len: int,
     window_s: float,
@@ -185,7 +199,14 @@ def stream_window(
     mode: ``none`` (no updates), ``interruptible`` or ``drain``. The stream runs
     ``warmup_s`` first so in-flight lengths reach their steady mix.
     """
-    engine = InferenceEngine(model_dirs[0], max_batch_size=batch, max_seq_len=max_seq_len, seed=0)
+    engine = InferenceEngine(
+        model_dirs[0],
+        device=device,
+        dtype=dtype,
+        max_batch_size=batch,
+        max_seq_len=max_seq_len,
+        seed=0,
+    )
     pool = workload(np.random.default_rng(seed), 20_000, median_new_tokens, max_new_tokens)
     stop = threading.Event()
     reports: list = []
@@ -254,19 +275,33 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--rounds-short", type=int, default=20)
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="tiny")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument(
+        "--dtype", default="float32", help="engine and HF model dtype (float32, bfloat16)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     max_seq_len = 32 + args.max_new_tokens
 
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = [build_model(Path(tmp) / f"v{i}", seed=i) for i in range(2)]
-        model = LlamaForCausalLM.from_pretrained(dirs[0]).eval()
+        dirs = [build_model(Path(tmp) / f"v{i}", seed=i, shape=args.model) for i in range(2)]
+        model = LlamaForCausalLM.from_pretrained(dirs[0])
+        model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+        on_device = {"device": args.device, "dtype": args.dtype}
         params = sum(p.numel() for p in model.parameters())
-        print(
-            f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, threads {args.threads}"
+        accelerator = (
+            f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
         )
-        print(f"model: Llama {params / 1e6:.2f}M params, vocab {VOCAB}; batch {args.batch} slots")
+        print(
+            f"machine: {platform.machine()} {platform.processor() or ''}{accelerator}, "
+            f"torch {torch.__version__}, threads {args.threads}"
+        )
+        print(
+            f"model: Llama {params / 1e6:.2f}M params, vocab {VOCAB}, {args.dtype} on {args.device}; "
+            f"batch {args.batch} slots"
+        )
 
         requests = workload(
             np.random.default_rng(0), args.requests, args.median_new_tokens, args.max_new_tokens
@@ -277,7 +312,7 @@ def main() -> None:
             f"p50 {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}"
         )
         engine = InferenceEngine(
-            dirs[0], max_batch_size=args.batch, max_seq_len=max_seq_len, seed=0
+            dirs[0], max_batch_size=args.batch, max_seq_len=max_seq_len, seed=0, **on_device
         )
         engine.generate(requests[: args.batch // 4])  # warm-up
         run_hf(model, requests[:8], 8)  # warm-up
@@ -299,7 +334,7 @@ def main() -> None:
         )
         width = args.groups * args.group_size
         short_engine = InferenceEngine(
-            dirs[0], max_batch_size=width, max_seq_len=max_seq_len, seed=0
+            dirs[0], max_batch_size=width, max_seq_len=max_seq_len, seed=0, **on_device
         )
         short_engine.generate(rounds[0])  # warm-up
         run_hf(model, rounds[0], width)  # warm-up
@@ -346,6 +381,7 @@ def main() -> None:
                     dirs,
                     mode,
                     batch=args.batch,
+                    **on_device,
                     max_seq_len=max_seq_len,
                     window_s=args.window_s,
                     warmup_s=args.warmup_s,
