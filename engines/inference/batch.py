@@ -255,9 +255,7 @@ class SlotBatch:
     def _forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Last hidden states of the decoder over the slot cache (plan set by the caller)."""
-        if self.fast is not None:
-            return self.fast.forward(input_ids, position_ids, mask, self.cache)
+        """Hugging Face decoder's hidden states over the slot cache (plan set by the caller)."""
         hidden: torch.Tensor = self._decoder(
             input_ids=input_ids,
             attention_mask=mask,
@@ -272,14 +270,17 @@ class SlotBatch:
         seqs = list(self.running)
         position_list = [s.num_tokens - 1 for s in seqs]
         positions = torch.tensor(position_list, device=self.device)
-        input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
+        input_ids = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         kv_length = max(position_list) + 1
         keys = torch.arange(kv_length, device=self.device)
         mask = torch.zeros((len(seqs), 1, 1, kv_length), dtype=self.dtype, device=self.device)
         mask.masked_fill_((keys[None, :] > positions[:, None])[:, None, None, :], self._mask_min)
         self.cache.plan_decode(position_list, kv_length)
-        hidden = self._forward(input_ids, positions[:, None], mask)
-        logits = self._lm_head(hidden[:, -1]).float()
+        if self.fast is not None:
+            hidden = self.fast.decode(input_ids, positions, mask, self.cache)
+        else:
+            hidden = self._forward(input_ids[:, None], positions[:, None], mask)[:, -1]
+        logits = self._lm_head(hidden).float()
         self.decode_forwards += 1
         return self._sample_and_advance(seqs, logits, version)
 

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engines.inference.kv_cache import SlotKVCache
+
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
 
@@ -90,7 +92,7 @@ def _fuse(
 
 
 class FastDecoder:
-    """``forward(input_ids, position_ids, attention_mask, cache) -> last hidden states``."""
+    """``decode`` one token per resident row and ``prefill_packed`` whole sequences."""
 
     def __init__(self, model: Any) -> None:
         if not supports(model):
@@ -146,47 +148,47 @@ class FastDecoder:
                     )
                 )
 
-    def forward(
+    def decode(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
+        positions: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: Any,
+        cache: SlotKVCache,
     ) -> torch.Tensor:
-        rows, width = input_ids.shape
+        """One token per row: ``[rows]`` ids at ``[rows]`` positions -> ``[rows, hidden]``.
+
+        ``cache`` holds a decode plan (``plan_decode``) for these rows; each layer writes
+        its new K/V there and attends over the rows' cached keys under
+        ``attention_mask`` (``[rows, 1, 1, keys]``, additive).
+        """
+        rows = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
-        # [rows, width, 1, head_dim]: broadcast over the q and k heads together.
-        cos = self.cos[position_ids][:, :, None]
-        sin = self.sin_signed[position_ids][:, :, None]
+        # [rows, 1, head_dim]: broadcast over the q and k heads together.
+        cos = self.cos[positions][:, None]
+        sin = self.sin_signed[positions][:, None]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        size = hidden.shape[-1]
-        gqa = heads != kv_heads
+        qk_size, q_size = (heads + kv_heads) * head_dim, heads * head_dim
+        size, half, buckets = hidden.shape[-1], head_dim // 2, cache.decode_buckets
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (size,), layer.ln_in, self.eps)
             qkv = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
             # One rotary pass over the q and k heads side by side.
-            qk = qkv[..., : q_size + kv_size].view(rows, width, heads + kv_heads, head_dim)
-            qk = (qk * cos + qk.roll(head_dim // 2, -1) * sin).transpose(1, 2)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[..., q_size + kv_size :].view(rows, width, kv_heads, head_dim).transpose(1, 2)
-            keys, values = cache.update(k, v, index)
-            if width == 1:
-                attended = self._bucketed_decode_attention(
-                    q, keys, values, attention_mask, getattr(cache, "decode_buckets", None)
-                )
-            else:
-                attended = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=attention_mask, scale=self.scaling, enable_gqa=gqa
-                )
-            attended = attended.transpose(1, 2).reshape(rows, width, q_size)
-            hidden = hidden + F.linear(attended, layer.o_weight, layer.o_bias)
+            qk = qkv[:, :qk_size].view(rows, heads + kv_heads, head_dim)
+            qk = qk * cos + qk.roll(half, -1) * sin
+            v = qkv[:, qk_size:].view(rows, kv_heads, 1, head_dim)
+            keys, values = cache.update(qk[:, heads:, None], v, index)
+            attended = self._bucketed_decode_attention(
+                qk[:, :heads, None], keys, values, attention_mask, buckets
+            )
+            hidden = hidden + F.linear(attended.view(rows, q_size), layer.o_weight, layer.o_bias)
             normed = F.rms_norm(hidden, (size,), layer.ln_post, self.eps)
             gate, up = F.linear(normed, layer.gate_up_weight).chunk(2, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
         return F.rms_norm(hidden, (size,), self.final_norm, self.eps)
 
-    def prefill_packed(self, tokens: list[list[int]], slots: list[int], cache: Any) -> torch.Tensor:
+    def prefill_packed(
+        self, tokens: list[list[int]], slots: list[int], cache: SlotKVCache
+    ) -> torch.Tensor:
         """Prefill whole sequences without padding; returns each one's last hidden state.
 
         The projections and the MLP run over all sequences' tokens packed into one
@@ -242,10 +244,10 @@ class FastDecoder:
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor,
-        buckets: list[tuple[int, int, int]] | None,
+        buckets: list[tuple[int, int, int]],
     ) -> torch.Tensor:
         """Decode attention per range of rows, each over its own longest row's keys."""
-        if not buckets or len(buckets) == 1:
+        if len(buckets) <= 1:
             return self._decode_attention(q, keys, values, mask)
         out = torch.empty_like(q)
         for start, end, width in buckets:
