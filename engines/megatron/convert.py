@@ -1,0 +1,201 @@
+"""Hugging Face Llama/Qwen2 <-> Megatron-core ``GPTModel``: the config and the weights.
+
+Sluice publishes every policy version as a Hugging Face directory (what the inference
+engine and SGLang load), so the Megatron backend converts on the way in and on the
+way out; both directions are exact copies, no arithmetic.
+
+Where the two layouts differ:
+
+- attention: HF keeps ``q_proj``, ``k_proj`` and ``v_proj`` apart. Megatron fuses them
+  into ``linear_qkv`` and orders the rows *per query group*: for each of the
+  ``num_key_value_heads`` groups, that group's query heads, then its key head, then
+  its value head (so a tensor-parallel split along the groups keeps each group whole).
+  Qwen2's q/k/v biases follow the same order.
+- MLP: ``linear_fc1`` is ``[gate_proj; up_proj]`` (Megatron's gated linear unit applies
+  the activation to the first half); ``linear_fc2`` is ``down_proj``.
+- norms: ``input_layernorm`` / ``pre_mlp_layernorm`` / ``final_layernorm``.
+- tied embeddings: Megatron's ``output_layer`` then holds no weight.
+
+Only shapes whose arithmetic both libraries compute alike are accepted (RoPE without
+scaling, RMSNorm, SiLU-gated MLP, no sliding window, no MLP or output-projection
+bias); anything else is refused with the field that differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2"})
+
+
+class UnsupportedModelError(ValueError):
+    """The Hugging Face config has a feature the Megatron conversion does not carry."""
+
+
+def check_supported(hf_config: Any) -> None:
+    """Raise ``UnsupportedModelError`` naming the first field Megatron would compute differently."""
+    model_type = str(getattr(hf_config, "model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no Megatron conversion; "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    problems = []
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf_config.hidden_act!r} (needs 'silu')")
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        problems.append(f"rope_scaling={scaling!r} (needs none)")
+    if getattr(hf_config, "mlp_bias", False):
+        problems.append("mlp_bias=True (needs False)")
+    if model_type == "llama" and getattr(hf_config, "attention_bias", False):
+        problems.append("attention_bias=True (Megatron would add an output-projection bias too)")
+    if getattr(hf_config, "use_sliding_window", False):
+        problems.append("use_sliding_window=True (needs full attention)")
+    if problems:
+        raise UnsupportedModelError(
+            f"{model_type} config differs from what the Megatron backend computes: "
+            + "; ".join(problems)
+        )
+
+
+def head_dim(hf_config: Any) -> int:
+    return int(
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def num_kv_heads(hf_config: Any) -> int:
+    return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
+def rope_theta(hf_config: Any) -> float:
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
+    """``TransformerConfig`` fields that describe the HF model's architecture.
+
+    The caller adds parallel sizes and dtype. Fusions that need CUDA kernels are off;
+    dropout is off (RL fine-tuning of a pretrained policy uses none).
+    """
+    check_supported(hf_config)
+    return {
+        "num_layers": int(hf_config.num_hidden_layers),
+        "hidden_size": int(hf_config.hidden_size),
+        "ffn_hidden_size": int(hf_config.intermediate_size),
+        "num_attention_heads": int(hf_config.num_attention_heads),
+        "num_query_groups": num_kv_heads(hf_config),
+        "kv_channels": head_dim(hf_config),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(hf_config.rms_norm_eps),
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": str(hf_config.model_type) == "qwen2",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+        "attention_softmax_in_fp32": True,
+    }
+
+
+def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
+    """``GPTModel`` arguments (besides config and layer spec) for the HF model."""
+    return {
+        "vocab_size": int(hf_config.vocab_size),
+        "max_sequence_length": int(hf_config.max_position_embeddings),
+        "position_embedding_type": "rope",
+        "rotary_percent": 1.0,
+        "rotary_base": rope_theta(hf_config),
+        "share_embeddings_and_output_weights": bool(
+            getattr(hf_config, "tie_word_embeddings", False)
+        ),
+    }
+
+
+def _layer_names(i: int) -> tuple[str, str]:
+    return f"model.layers.{i}.", f"decoder.layers.{i}."
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """A Megatron ``GPTModel`` state dict (tensor and pipeline parallel size 1) from HF weights."""
+    check_supported(hf_config)
+    groups, dim = num_kv_heads(hf_config), head_dim(hf_config)
+    per_group = int(hf_config.num_attention_heads) // groups
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(int(hf_config.num_hidden_layers)):
+        h, m = _layer_names(i)
+        attn = h + "self_attn."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        for suffix in ("weight", "bias"):
+            if attn + "q_proj." + suffix not in hf:
+                continue
+            q = hf[attn + "q_proj." + suffix].reshape(groups, per_group * dim, -1)
+            k = hf[attn + "k_proj." + suffix].reshape(groups, dim, -1)
+            v = hf[attn + "v_proj." + suffix].reshape(groups, dim, -1)
+            fused = torch.cat([q, k, v], dim=1).reshape(groups * (per_group + 2) * dim, -1)
+            key = m + "self_attention.linear_qkv." + suffix
+            out[key] = fused if suffix == "weight" else fused[:, 0]
+        out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        mlp = h + "mlp."
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], dim=0
+        )
+        out[m + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
+    return out
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """HF weights from a Megatron ``GPTModel`` state dict (parallel sizes 1): the inverse
+    of ``hf_to_megatron``. Megatron's ``_extra_state`` entries carry no weights."""
+    check_supported(hf_config)
+    groups, dim = num_kv_heads(hf_config), head_dim(hf_config)
+    per_group = int(hf_config.num_attention_heads) // groups
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    out = {
+        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+    }
+    if not tied:
+        out["lm_head.weight"] = mg["output_layer.weight"]
+    for i in range(int(hf_config.num_hidden_layers)):
+        h, m = _layer_names(i)
+        attn = h + "self_attn."
+        out[h + "input_layernorm.weight"] = mg[m + "input_layernorm.weight"]
+        out[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+        for suffix in ("weight", "bias"):
+            key = m + "self_attention.linear_qkv." + suffix
+            if key not in mg:
+                continue
+            fused = mg[key].reshape(groups, (per_group + 2) * dim, -1)
+            q, k, v = fused.split([per_group * dim, dim, dim], dim=1)
+            parts = {"q_proj": q, "k_proj": k, "v_proj": v}
+            for name, part in parts.items():
+                flat = part.reshape(-1, part.shape[-1])
+                out[attn + f"{name}.{suffix}"] = (
+                    flat if suffix == "weight" else flat[:, 0]
+                ).clone()
+        out[attn + "o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+        gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[h + "mlp.gate_proj.weight"] = gate.clone()
+        out[h + "mlp.up_proj.weight"] = up.clone()
+        out[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+    return out

@@ -1,0 +1,155 @@
+"""A Megatron-core ``GPTModel`` built from a Hugging Face policy directory.
+
+The model runs Sluice's packed micro-batches as they are (sequences concatenated
+without padding, positions restarting per sequence): they enter as Megatron's THD
+layout with ``PackedSeqParams``, RoPE restarts at each sequence boundary, and core
+attention is ``PackedDotProductAttention``, which runs the same per-sequence causal
+attention as the torch backend (``engines.batching.packed_causal_attention``).
+Megatron's own local attention refuses packed input and its packed kernels need
+Transformer Engine on a GPU.
+
+Parallel state: ``initialize_parallel`` starts ``torch.distributed`` (gloo on a
+CPU, NCCL on a GPU) if the process has not, then Megatron's model-parallel groups.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
+from transformers import AutoConfig
+
+from engines.batching import PackedBatch, packed_causal_attention
+from engines.inference.weights import read_weight_files
+from engines.megatron import convert, cpu_shim
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """Megatron's local core attention, plus packed (THD) sequences.
+
+    With ``packed_seq_params`` the query is ``[T, heads, head_dim]`` and key/value
+    ``[T, groups, head_dim]`` for all sequences of the micro-batch back to back;
+    each sequence attends causally to itself only. Without it, Megatron's own code runs.
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is None:
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, None
+            )
+        scale = self.config.softmax_scale or self.config.kv_channels**-0.5
+        out, _ = packed_causal_attention(
+            self,
+            query.transpose(0, 1)[None],
+            key.transpose(0, 1)[None],
+            value.transpose(0, 1)[None],
+            None,
+            scaling=scale,
+            cu_seq_lens_q=packed_seq_params.cu_seqlens_q,
+        )
+        return out[0].reshape(out.shape[1], -1)
+
+
+def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """Start torch.distributed (if needed) and Megatron's model-parallel groups.
+
+    A process started without a launcher is a world of one (rank 0 on a free loopback
+    port); ``torchrun`` or Sluice's own launcher set the usual environment variables.
+    """
+    cpu_shim.install()
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
+            and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel
+        ):
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def build_gpt_model(
+    hf_config: Any, *, params_dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> GPTModel:
+    """An uninitialised-weights ``GPTModel`` shaped like ``hf_config`` (parallel state set)."""
+    config = TransformerConfig(
+        **convert.transformer_config_kwargs(hf_config),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # the weights come from the HF directory
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **convert.gpt_model_kwargs(hf_config),
+    )
+    return model.to(device)
+
+
+def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]:
+    """``(GPTModel, hf_config)`` with the weights of the HF directory (parallel sizes 1)."""
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    model = build_gpt_model(hf_config, **kwargs)
+    state = convert.hf_to_megatron(read_weight_files(model_dir), hf_config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise ValueError(
+            f"HF weights in {str(model_dir)!r} do not fill the Megatron model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return model, hf_config
+
+
+def packed_logits(model: GPTModel, packed: PackedBatch) -> torch.Tensor:
+    """Logits ``[total_tokens, vocab]`` of a packed row (tensor parallel size 1)."""
+    cu = packed.cu_seqlens.to(torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+    )
+    logits = model(
+        packed.input_ids, packed.position_ids, attention_mask=None, packed_seq_params=params
+    )
+    return logits[0]

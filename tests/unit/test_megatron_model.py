@@ -1,0 +1,140 @@
+"""Megatron-core GPTModel from a Hugging Face policy: exact weights in and out, same log-probs.
+
+Runs in this process as a world of one under gloo (``engines.megatron.cpu_shim``
+patches what megatron-core needs to run without CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from engines.batching import pack_sequences, register_packed_attention
+from engines.inference.weights import read_weight_files
+from engines.megatron import convert
+from engines.megatron import model as megatron_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one() -> Iterator[None]:
+    from megatron.core import parallel_state
+
+    started_here = not torch.distributed.is_initialized()
+    megatron_model.initialize_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    if started_here:
+        torch.distributed.destroy_process_group()
+
+
+def _qwen2_config() -> Qwen2Config:
+    # Untied embeddings and q/k/v biases: the other layout the conversion carries.
+    return Qwen2Config(
+        vocab_size=40,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+
+
+@pytest.fixture(scope="module", params=["llama-tied-gqa", "qwen2-untied-qkv-bias"])
+def policy_dir(request: pytest.FixtureRequest, random_model_dir: Callable[..., Path]) -> Path:
+    if request.param.startswith("llama"):
+        return random_model_dir(seed=3, tie_word_embeddings=True)
+    return random_model_dir(seed=4, config=_qwen2_config())
+
+
+def _megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+
+
+def test_hf_to_megatron_to_hf_round_trips_bit_exact(policy_dir: Path) -> None:
+    model, hf_config = megatron_model.load_hf_policy(policy_dir)
+    back = convert.megatron_to_hf(_megatron_weights(model), hf_config)
+    saved = read_weight_files(policy_dir)
+    assert set(back) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_megatron_log_probs_match_hugging_face_on_a_packed_batch(policy_dir: Path) -> None:
+    """Sequences packed back to back: RoPE and attention restart at every boundary."""
+    model, _ = megatron_model.load_hf_policy(policy_dir)
+    hf = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    hf.set_attn_implementation(register_packed_attention())
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 40, (n,), generator=generator) for n in (7, 19, 4, 12)]
+    packed = pack_sequences(sequences)
+    model.eval()
+    with torch.no_grad():
+        ours = megatron_model.packed_logits(model, packed).log_softmax(-1)
+        theirs = hf(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        ).logits[0]
+    targets = packed.input_ids[0, 1:]
+    ours_token = ours[:-1].gather(1, targets[:, None])
+    theirs_token = theirs.log_softmax(-1)[:-1].gather(1, targets[:, None])
+    torch.testing.assert_close(ours_token, theirs_token, rtol=0, atol=1e-5)
+
+
+def test_megatron_gradients_match_hugging_face_after_conversion(policy_dir: Path) -> None:
+    """The same loss on both models gives the same gradient, in HF's layout."""
+    model, hf_config = megatron_model.load_hf_policy(policy_dir)
+    hf = AutoModelForCausalLM.from_pretrained(policy_dir)
+    hf.set_attn_implementation(register_packed_attention())
+    packed = pack_sequences([torch.arange(3, 14), torch.arange(20, 29)])
+    targets = packed.input_ids[0, 1:]
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return -logits.float().log_softmax(-1)[:-1].gather(1, targets[:, None]).mean()
+
+    loss_of(megatron_model.packed_logits(model, packed)).backward()
+    loss_of(
+        hf(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        ).logits[0]
+    ).backward()
+    grads = {
+        name: p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        for name, p in model.named_parameters()
+    }
+    ours = convert.megatron_to_hf(grads, hf_config)
+    for name, param in hf.named_parameters():
+        if name == "lm_head.weight" and hf_config.tie_word_embeddings:
+            continue
+        torch.testing.assert_close(ours[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_configs_megatron_would_compute_differently_are_refused_by_name(
+    overrides: dict, named: str
+) -> None:
+    from tests.conftest import small_llama_config
+
+    with pytest.raises(convert.UnsupportedModelError, match=named):
+        convert.check_supported(small_llama_config(**overrides))
