@@ -1,35 +1,95 @@
-"""What megatron-core 0.16 needs to run on a CPU: two patches, installed only without CUDA.
+"""What megatron-core 0.16 needs to run on a CPU, applied only where CUDA is absent.
 
 Megatron is written for GPUs and reaches for CUDA in a few places even when every
 tensor is on the CPU. Sluice trains its small default policies on CPUs (and tests the
-Megatron backend there, under gloo), so ``install()`` patches exactly these, each
-for the reason given. With a GPU present it does nothing.
+Megatron backend there, under gloo). ``install()`` sets up Megatron's RNG tracker
+once; ``cpu_only()`` patches the CUDA reaches for the duration of a block of Megatron
+calls and restores them after, so nothing else in the process sees a changed torch.
+With a GPU present both do nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
 _installed = False
 
 
-def install() -> bool:
-    """Patch Megatron for a CUDA-less process (idempotent); returns whether it patched."""
+def install() -> None:
+    """One-time setup for a CUDA-less process (idempotent)."""
     global _installed
-    if torch.cuda.is_available():
-        return False
-    if _installed:
-        return True
-    # 1. Rotary embeddings, tensor-parallel gathers and attention buffers allocate on
-    #    ``torch.cuda.current_device()`` (an int on a GPU). On a CPU-only build that call
-    #    raises; answering "cpu" puts those allocations beside the model's tensors.
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
-
-    # 2. Dropout runs inside ``get_cuda_rng_tracker().fork()``, and the training tracker
-    #    snapshots and restores CUDA generator states. Sluice trains with dropout 0, so
-    #    the no-op tracker Megatron ships for inference is exact here.
+    if torch.cuda.is_available() or _installed:
+        return
+    # Dropout runs inside ``get_cuda_rng_tracker().fork()``, and the training tracker
+    # snapshots and restores CUDA generator states. Sluice trains with dropout 0, so
+    # the no-op tracker Megatron ships for inference is exact here.
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _installed = True
-    return True
+
+
+def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+def _clip_grads_on_cpu(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """``clip_grad_by_total_norm_fp32`` in plain torch: the same ``grad *= coeff``."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.mul_(coeff)
+
+
+@contextlib.contextmanager
+def cpu_only() -> Iterator[None]:
+    """Within the block, Megatron's CUDA-only calls act on the CPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    install()
+    import megatron.core.optimizer.optimizer as megatron_optimizer
+
+    saved: list[tuple[Any, str, Any]] = [
+        (torch.cuda, "current_device", torch.cuda.current_device),
+        (torch.Tensor, "cuda", torch.Tensor.cuda),
+        (
+            megatron_optimizer,
+            "clip_grad_by_total_norm_fp32",
+            megatron_optimizer.clip_grad_by_total_norm_fp32,
+        ),
+        *[(torch, name, getattr(torch, name)) for name in _FACTORIES],
+    ]
+    # 1. Rotary tables, tensor-parallel gathers and attention buffers allocate on
+    #    ``torch.cuda.current_device()`` (an int on a GPU, an error without one).
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+    # 2. The optimizers and grad-norm helpers create their scalars with device="cuda"
+    #    or ``.cuda()``; without CUDA those can only mean the CPU.
+    for name in _FACTORIES:
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    # 3. Gradient clipping asserts that every grad is a CUDA tensor before scaling it.
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_on_cpu  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -103,6 +103,11 @@ def build_gpt_model(
     hf_config: Any, *, params_dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> GPTModel:
     """An uninitialised-weights ``GPTModel`` shaped like ``hf_config`` (parallel state set)."""
+    with cpu_shim.cpu_only():
+        return _build_gpt_model(hf_config, params_dtype, device)
+
+
+def _build_gpt_model(hf_config: Any, params_dtype: torch.dtype, device: str) -> GPTModel:
     config = TransformerConfig(
         **convert.transformer_config_kwargs(hf_config),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -149,7 +154,8 @@ def packed_logits(model: GPTModel, packed: PackedBatch) -> torch.Tensor:
         max_seqlen_q=packed.max_seqlen,
         max_seqlen_kv=packed.max_seqlen,
     )
-    logits = model(
-        packed.input_ids, packed.position_ids, attention_mask=None, packed_seq_params=params
-    )
+    with cpu_shim.cpu_only():
+        logits = model(
+            packed.input_ids, packed.position_ids, attention_mask=None, packed_seq_params=params
+        )
     return logits[0]

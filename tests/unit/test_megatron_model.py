@@ -138,3 +138,93 @@ def test_configs_megatron_would_compute_differently_are_refused_by_name(
 
     with pytest.raises(convert.UnsupportedModelError, match=named):
         convert.check_supported(small_llama_config(**overrides))
+
+
+def test_megatron_optimizer_and_schedule_train_like_torch_adamw(policy_dir: Path) -> None:
+    """Three optimizer steps of decoupled PPO over two packed micro-batches: Megatron's
+    DDP, Adam, clipping and forward-backward schedule land on the weights torch's AdamW
+    reaches from the same start (float32; the gap is float rounding of the two paths)."""
+    from engines.loss import decoupled_ppo_loss
+    from engines.megatron.optimizer import MegatronPolicyOptimizer
+
+    model, hf_config = megatron_model.load_hf_policy(policy_dir)
+    hf = AutoModelForCausalLM.from_pretrained(policy_dir)
+    hf.set_attn_implementation(register_packed_attention())
+    settings = {"lr": 3e-3, "adam_betas": (0.9, 0.95), "adam_eps": 1e-5, "grad_clip": 0.5}
+    ours = MegatronPolicyOptimizer(model, weight_decay=0.0, **settings)
+    theirs = torch.optim.AdamW(
+        hf.parameters(),
+        lr=settings["lr"],
+        betas=settings["adam_betas"],
+        eps=settings["adam_eps"],
+        weight_decay=0.0,
+    )
+    generator = torch.Generator().manual_seed(1)
+    micro_batches = [
+        pack_sequences([torch.randint(3, 40, (n,), generator=generator) for n in lengths])
+        for lengths in ((9, 14), (6, 11, 8))
+    ]
+    # Every token after the first of each sequence is a "response" token here.
+    targets = [p.input_ids[0, 1:] for p in micro_batches]
+    keep = [p.position_ids[0, 1:] > 0 for p in micro_batches]
+    advantages = [torch.randn(t.shape, generator=generator) for t in targets]
+    behaviour = [-3.0 + 0.1 * torch.randn(t.shape, generator=generator) for t in targets]
+    total = sum(int(k.sum()) for k in keep)
+
+    def token_logprobs(index: int, logits: torch.Tensor) -> torch.Tensor:
+        logp = logits.float().log_softmax(-1)[:-1].gather(1, targets[index][:, None])[:, 0]
+        return logp[keep[index]]
+
+    def loss(index: int, logprobs: torch.Tensor, denominator: int) -> torch.Tensor:
+        k = keep[index]
+        value, _ = decoupled_ppo_loss(
+            logprobs,
+            behaviour[index][k],
+            behaviour[index][k],
+            advantages[index][k],
+            torch.ones(int(k.sum()), dtype=torch.bool),
+            denominator,
+        )
+        return value
+
+    for _ in range(3):
+        applied, norm, _ = ours.step(
+            micro_batches,
+            lambda i, logits: (loss(i, token_logprobs(i, logits), 1), int(keep[i].sum()), {}),
+        )
+        theirs.zero_grad()
+        for i, packed in enumerate(micro_batches):
+            logits = hf(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                use_cache=False,
+                **packed.attention_kwargs(),
+            ).logits[0]
+            loss(i, token_logprobs(i, logits), total).backward()
+        their_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), settings["grad_clip"])
+        theirs.step()
+        assert applied
+        assert norm == pytest.approx(float(their_norm), rel=1e-4)
+
+    trained = convert.megatron_to_hf(_megatron_weights(model), hf_config)
+    for name, param in hf.named_parameters():
+        if name == "lm_head.weight" and hf_config.tie_word_embeddings:
+            continue
+        torch.testing.assert_close(trained[name], param.detach(), rtol=0, atol=2e-5, msg=name)
+    # And the weights did move: three steps at this rate are far above the tolerance.
+    start = read_weight_files(policy_dir)
+    moved = max(float((trained[n] - start[n]).abs().max()) for n in start)
+    assert moved > 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shim only acts without CUDA")
+def test_the_cpu_shim_patches_torch_only_inside_its_block() -> None:
+    from engines.megatron import cpu_shim
+
+    before = (torch.zeros, torch.tensor, torch.Tensor.cuda, torch.cuda.current_device)
+    with cpu_shim.cpu_only():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.cuda.current_device() == "cpu"
+    assert (torch.zeros, torch.tensor, torch.Tensor.cuda, torch.cuda.current_device) == before
+    with pytest.raises((AssertionError, RuntimeError)):  # no CUDA: asking for it still fails
+        torch.zeros(2, device="cuda")

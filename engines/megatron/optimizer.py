@@ -1,0 +1,111 @@
+"""Megatron's data-parallel wrapper, optimizer and forward-backward schedule for a policy.
+
+``MegatronPolicyOptimizer.step`` runs one optimizer step over a minibatch's packed
+micro-batches through ``get_forward_backward_func`` (the schedule that also drives
+pipeline parallelism), with any Sluice loss that follows the
+``engines.loss.PolicyLossFn`` contract.
+
+How the loss denominator maps: Sluice divides every micro-batch's token sum by the
+minibatch's valid-token count, so gradient accumulation equals the whole-minibatch
+gradient. Megatron's per-token mode (``calculate_per_token_loss``) asks each
+micro-batch for its token *sum* and its token count, and divides the accumulated
+gradients by the total count across micro-batches and data-parallel ranks once, in
+``finalize_model_grads``. The loss is therefore called with ``num_global_tokens=1``
+(its numerator) and Megatron supplies the denominator: the same gradient, and with
+data parallelism the count spans every rank's micro-batches.
+
+On a CPU the distributed optimizer is unavailable (it type-checks for CUDA tensors),
+so ``use_distributed_optimizer`` is honoured only with a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from engines.batching import PackedBatch
+from engines.megatron import cpu_shim
+from engines.megatron.model import packed_logits
+
+MicroBatchLoss = Callable[[int, torch.Tensor], tuple[torch.Tensor, int, dict[str, torch.Tensor]]]
+"""``(micro-batch index, logits [T, vocab]) -> (token-sum loss, tokens counted, metrics)``."""
+
+
+class MegatronPolicyOptimizer:
+    """A ``GPTModel`` wrapped in Megatron's DDP, with Megatron's Adam and gradient clipping."""
+
+    def __init__(
+        self,
+        model: GPTModel,
+        *,
+        lr: float,
+        adam_betas: tuple[float, float],
+        adam_eps: float,
+        weight_decay: float,
+        grad_clip: float,
+        use_distributed_optimizer: bool = True,
+    ) -> None:
+        distributed = use_distributed_optimizer and torch.cuda.is_available()
+        model.config.calculate_per_token_loss = True
+        model.config.finalize_model_grads_func = finalize_model_grads
+        with cpu_shim.cpu_only():
+            self.model = DistributedDataParallel(
+                model.config,
+                DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, use_distributed_optimizer=distributed
+                ),
+                model,
+            )
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=lr,
+                    adam_beta1=adam_betas[0],
+                    adam_beta2=adam_betas[1],
+                    adam_eps=adam_eps,
+                    weight_decay=weight_decay,
+                    clip_grad=grad_clip,
+                    use_distributed_optimizer=distributed,
+                    params_dtype=model.config.params_dtype,
+                    bf16=model.config.bf16,
+                ),
+                [self.model],
+            )
+
+    def step(
+        self, micro_batches: Sequence[PackedBatch], loss_of: MicroBatchLoss
+    ) -> tuple[bool, float, list[dict[str, Any]]]:
+        """One optimizer step over ``micro_batches``: ``(applied, grad norm, metrics per micro-batch)``."""
+        batches = iter(enumerate(micro_batches))
+
+        def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+            index, packed = next(data)
+            logits = packed_logits(model, packed)
+
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                loss, tokens, metrics = loss_of(index, output)
+                return loss, torch.tensor(tokens, dtype=torch.int), metrics
+
+            return logits, loss_func
+
+        with cpu_shim.cpu_only():
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            metrics = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=batches,
+                model=[self.model],
+                num_microbatches=len(micro_batches),
+                seq_length=max(p.total_tokens for p in micro_batches),
+                micro_batch_size=1,
+                forward_only=False,
+            )
+            applied, grad_norm, _ = self.optimizer.step()
+        return bool(applied), float(grad_norm or 0.0), list(metrics)
