@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,9 @@ from engines.model import load_policy_dir
 from engines.rollout_correction import RolloutCorrectionFn
 
 OPTIMIZER_FILE = "optimizer.pt"
+
+MicroBatchLossFn = Callable[[int, torch.Tensor], torch.Tensor]
+"""``(micro-batch index, its logits) -> its loss`` (token sum over the minibatch's count)."""
 TRAINER_STATE_FILE = "trainer_state.json"
 RNG_STATE_FILE = "trainer_rng.pt"
 
@@ -148,6 +151,41 @@ class PolicyTrainer:
             # (or Prefect retry), so a resumed seeded run would leave the uninterrupted one.
             self._generator.set_state(torch.load(rng_path))
 
+    # ------------------------------------------------ what another backend replaces
+
+    def _logits(self, packed: PackedBatch) -> torch.Tensor:
+        """Logits ``[total_tokens, vocab]`` of a packed row under the current weights."""
+        out = self.model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        )
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    def _set_training(self, training: bool) -> None:
+        self.model.train(training)
+
+    def _optimizer_step(
+        self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
+    ) -> float:
+        """One optimizer step over a minibatch's micro-batches; returns the pre-clip grad norm.
+
+        ``loss_of(i, logits)`` is micro-batch i's loss: its token sum over the minibatch's
+        token count (``sum(token_counts)``), so the accumulated gradient is the whole
+        minibatch's.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, packed in enumerate(micro_batches):
+            loss_of(index, self._logits(packed)).backward()
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        )
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        return grad_norm
+
     # ------------------------------------------------------------ log-probs
 
     def _packed_logprobs(
@@ -156,19 +194,17 @@ class PolicyTrainer:
         indices: Sequence[int],
         packed: PackedBatch,
         entropy_out: list[torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """log π(response tokens) of the samples in `indices`, flat and in that order.
 
         With `entropy_out`, also appends the entropy of π at each response position
-        (how undecided the policy still is where it samples).
+        (how undecided the policy still is where it samples). ``logits``: the packed
+        row's, if already computed.
         """
-        out = self.model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            use_cache=False,
-            **packed.attention_kwargs(),
-        )
-        logits = out.logits[0].float() / self.settings.temperature
+        if logits is None:
+            logits = self._logits(packed)
+        logits = logits.float() / self.settings.temperature
         # The token at position p is predicted by the logits at p - 1.
         starts = packed.cu_seqlens[:-1].to(torch.int64)
         positions = torch.cat(
@@ -200,7 +236,7 @@ class PolicyTrainer:
         self, batch: _Batch, entropy_out: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """log π of every response token under the current weights (flat, sample order)."""
-        self.model.eval()
+        self._set_training(False)
         result = torch.empty(batch.response_offsets[-1], dtype=torch.float32)
         for mb in self._micro_batches(batch, list(range(len(batch.sequences)))):
             packed = pack_sequences([batch.sequences[i] for i in mb]).to(self.device)
@@ -212,7 +248,7 @@ class PolicyTrainer:
                     offset : offset + n
                 ]
                 offset += n
-        self.model.train()
+        self._set_training(True)
         return result
 
     # ------------------------------------------------------------ the step
@@ -243,6 +279,38 @@ class PolicyTrainer:
         return _Batch(
             sequences, prompt_lens, response_lens, torch.cat(behaviour), torch.cat(advantages)
         )
+
+    def _minibatch_loss(
+        self,
+        batch: _Batch,
+        plan: list[list[int]],
+        packed: list[PackedBatch],
+        num_global_tokens: int,
+        proximal: torch.Tensor,
+        weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        loss_parts: list[dict[str, torch.Tensor]],
+    ) -> MicroBatchLossFn:
+        """The loss of micro-batch i of a minibatch given its logits (metrics go to ``loss_parts``)."""
+
+        def loss_of(index: int, logits: torch.Tensor) -> torch.Tensor:
+            mb = plan[index]
+            mb_weights = (
+                self._gather(batch, weights, mb).to(self.device) if weights is not None else None
+            )
+            loss, parts = self.loss_fn(
+                self._packed_logprobs(batch, mb, packed[index], logits=logits),
+                self._gather(batch, proximal, mb).to(self.device),
+                self._gather(batch, batch.behaviour_logprobs, mb).to(self.device),
+                self._gather(batch, batch.advantages, mb).to(self.device),
+                self._gather(batch, loss_mask, mb).to(self.device),
+                num_global_tokens,
+                behaviour_weights=mb_weights,
+            )
+            loss_parts.append(parts)
+            return loss
+
+        return loss_of
 
     def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
         """One policy update over `samples`; returns plain-float metrics."""
@@ -281,34 +349,23 @@ class PolicyTrainer:
         for minibatch in minibatches:
             if not minibatch:
                 continue
-            num_global_tokens = sum(batch.response_lens[i] for i in minibatch)
-            self.optimizer.zero_grad(set_to_none=True)
-            for mb in self._micro_batches(batch, minibatch):
-                micro_batch_count += 1
-                packed = pack_sequences([batch.sequences[i] for i in mb]).to(self.device)
-                logprobs = self._packed_logprobs(batch, mb, packed)
-                mb_weights = (
-                    self._gather(batch, weights, mb).to(self.device)
-                    if weights is not None
-                    else None
-                )
-                loss, parts = self.loss_fn(
-                    logprobs,
-                    self._gather(batch, proximal, mb).to(self.device),
-                    self._gather(batch, batch.behaviour_logprobs, mb).to(self.device),
-                    self._gather(batch, batch.advantages, mb).to(self.device),
-                    self._gather(batch, corrected_mask, mb).to(self.device),
-                    num_global_tokens,
-                    behaviour_weights=mb_weights,
-                )
-                loss.backward()
-                loss_parts.append(parts)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.settings.grad_clip
+            plan = self._micro_batches(batch, minibatch)
+            packed = [
+                pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan
+            ]
+            token_counts = [sum(batch.response_lens[i] for i in mb) for mb in plan]
+            micro_batch_count += len(plan)
+            loss_of = self._minibatch_loss(
+                batch,
+                plan,
+                packed,
+                sum(token_counts),
+                proximal,
+                weights,
+                corrected_mask,
+                loss_parts,
             )
-            grad_norms.append(float(grad_norm))
-            if math.isfinite(grad_norms[-1]):
-                self.optimizer.step()
+            grad_norms.append(self._optimizer_step(packed, token_counts, loss_of))
         self.steps_done += 1
         metrics.update(merge_micro_batch_metrics(loss_parts))
         # Each minibatch's loss sums to its own token mean: report the mean over minibatches.
