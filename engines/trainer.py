@@ -130,18 +130,12 @@ class PolicyTrainer:
         # Varlen attention over packed rows: Σ l² instead of T², no cross-sequence leakage.
         self.model.set_attn_implementation(register_packed_attention())
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=settings.lr,
-            betas=settings.adam_betas,
-            eps=settings.adam_eps,
-            weight_decay=settings.weight_decay,
-        )
+        self.optimizer = self._make_optimizer()
         self.steps_done = 0
         self._generator = torch.Generator().manual_seed(settings.seed)
         optimizer_path = Path(model_dir) / OPTIMIZER_FILE
         if optimizer_path.exists():
-            self.optimizer.load_state_dict(torch.load(optimizer_path, map_location=self.device))
+            self._load_optimizer_state(optimizer_path)
         state_path = Path(model_dir) / TRAINER_STATE_FILE
         if state_path.exists():
             self.steps_done = int(json.loads(state_path.read_text()).get("steps_done", 0))
@@ -152,6 +146,18 @@ class PolicyTrainer:
             self._generator.set_state(torch.load(rng_path))
 
     # ------------------------------------------------ what another backend replaces
+
+    def _make_optimizer(self) -> Any:
+        return torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.settings.lr,
+            betas=self.settings.adam_betas,
+            eps=self.settings.adam_eps,
+            weight_decay=self.settings.weight_decay,
+        )
+
+    def _load_optimizer_state(self, path: Path) -> None:
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.device))
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         """Logits ``[total_tokens, vocab]`` of a packed row under the current weights."""

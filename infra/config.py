@@ -40,10 +40,7 @@ RENAMED_KEYS: dict[str, str] = {
 }
 
 # Keys that are gone, with what to do instead.
-REMOVED_KEYS: dict[str, str] = {
-    "trainer.backend": "it was removed: plain torch is the only trainer; "
-    "a Megatron-core backend will bring its own setting",
-}
+REMOVED_KEYS: dict[str, str] = {}
 
 
 class ConfigError(ValueError):
@@ -229,6 +226,8 @@ class AdvantageConfig(_Section):
 class TrainerConfig(_Section):
     """Optimisation."""
 
+    backend: Literal["torch", "megatron"] = "torch"
+    """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron runs tensor and pipeline parallel size 1 so far."""
     prompts_per_batch: int = Field(8, ge=1)
     """B: prompt groups per training step."""
     ppo_minibatches: int = Field(1, ge=1)

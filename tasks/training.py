@@ -43,7 +43,12 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     t = config.trainer
     correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
     device = resolve_device(config.device)
-    return PolicyTrainer(
+    trainer_class = PolicyTrainer
+    if t.backend == "megatron":
+        from engines.megatron.trainer import MegatronPolicyTrainer
+
+        trainer_class = MegatronPolicyTrainer
+    return trainer_class(
         model_dir,
         trainer_settings(config),
         make_policy_loss(**t.loss.model_dump()),

@@ -41,7 +41,7 @@ def test_override_sets_nested_values_with_yaml_types():
         (["problem.eval_samples=2"], "it was renamed to 'evaluation.samples'"),
         (["trainer.eval_during_run=false"], "it was renamed to 'evaluation.during_run'"),
         (["model.dtype=bfloat16"], "it was renamed to 'rollout.dtype'"),
-        (["trainer.backend=torch"], "'trainer.backend'; it was removed: plain torch is the only"),
+        (["trainer.backend=jax"], "invalid value for 'trainer.backend'"),
         (["rollout.pause_mode=nope"], "invalid value for 'rollout.pause_mode'"),
         (["trainer.lr=abc"], "invalid value for 'trainer.lr' = \"abc\""),
         (["staleness.max_staleness=-1"], "greater than or equal to 0"),

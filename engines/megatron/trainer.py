@@ -1,0 +1,132 @@
+"""The policy trainer on Megatron-core: ``trainer.backend: megatron``.
+
+Everything algorithmic is ``engines.trainer.PolicyTrainer``'s: the π_prox pass, rollout
+correction, PPO minibatches, dynamic micro-batching and the loss function. This class
+replaces only what touches the model: the forward pass (a Megatron ``GPTModel`` over
+the packed micro-batch), the optimizer step (Megatron's DDP, Adam, gradient clipping
+and ``get_forward_backward_func``, see ``engines.megatron.optimizer``) and saving, which
+writes the Hugging Face directory that the inference engine and SGLang load.
+
+Parallel sizes: this class runs tensor and pipeline parallel size 1 (one process, the
+train role itself). Departure from the torch backend: Megatron's Adam applies no
+weight decay to biases and norm weights (the torch backend decays every parameter);
+the two agree at the default ``weight_decay=0``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.batching import PackedBatch
+from engines.loss import PolicyLossFn
+from engines.megatron import convert
+from engines.megatron.model import initialize_parallel, load_hf_policy, packed_logits
+from engines.megatron.optimizer import MegatronPolicyOptimizer
+from engines.rollout_correction import RolloutCorrectionFn
+from engines.trainer import (
+    OPTIMIZER_FILE,
+    RNG_STATE_FILE,
+    TRAINER_STATE_FILE,
+    MicroBatchLossFn,
+    PolicyTrainer,
+    TrainerSettings,
+)
+
+
+class MegatronPolicyTrainer(PolicyTrainer):
+    """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (parallel sizes 1)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: TrainerSettings,
+        loss_fn: PolicyLossFn,
+        correction_fn: RolloutCorrectionFn | None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        decoupled: bool = True,
+    ):
+        initialize_parallel(1, 1)
+        self.megatron, self.hf_config = load_hf_policy(model_dir, params_dtype=dtype, device=device)
+        self.megatron.train()
+        self.policy_optimizer = MegatronPolicyOptimizer(
+            self.megatron,
+            lr=settings.lr,
+            adam_betas=settings.adam_betas,
+            adam_eps=settings.adam_eps,
+            weight_decay=settings.weight_decay,
+            grad_clip=settings.grad_clip,
+        )
+        super().__init__(
+            model_dir,
+            settings,
+            loss_fn,
+            correction_fn,
+            device=device,
+            dtype=dtype,
+            decoupled=decoupled,
+        )
+
+    # PolicyTrainer's constructor builds a Hugging Face model and a torch optimizer; here
+    # the HF model is only the skeleton that ``save`` fills, and the optimizer is
+    # Megatron's.
+    def _make_optimizer(self) -> Any:
+        return self.policy_optimizer.optimizer
+
+    def _load_optimizer_state(self, path: Path) -> None:
+        self.policy_optimizer.optimizer.load_state_dict(torch.load(path, weights_only=False))
+
+    def _logits(self, packed: PackedBatch) -> torch.Tensor:
+        return packed_logits(self.megatron, packed)
+
+    def _set_training(self, training: bool) -> None:
+        self.megatron.train(training)
+
+    def _optimizer_step(
+        self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
+    ) -> float:
+        # Megatron's per-token mode wants each micro-batch's token *sum* and divides by the
+        # total count itself; the shared loss is normalised by that total, so scale back.
+        total = sum(token_counts)
+        _, grad_norm, _ = self.policy_optimizer.step(
+            micro_batches,
+            lambda index, logits: (loss_of(index, logits) * total, token_counts[index], {}),
+        )
+        return grad_norm
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights in Hugging Face names and layout."""
+        weights = {
+            name: tensor
+            for name, tensor in self.megatron.state_dict().items()
+            if not name.endswith("._extra_state")
+        }
+        return convert.megatron_to_hf(weights, self.hf_config)
+
+    def save(
+        self,
+        out_dir: str | Path,
+        *,
+        include_optimizer: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write the HF directory (gathered from Megatron) + optimizer and minibatch-RNG state."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        missing, unexpected = self.model.load_state_dict(self.hf_state_dict(), strict=False)
+        tied = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"Megatron -> HF left {missing} missing, {unexpected} unexpected")
+        self.model.save_pretrained(out, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+        if include_optimizer:
+            torch.save(self.policy_optimizer.optimizer.state_dict(), out / OPTIMIZER_FILE)
+            torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
+        state = {"steps_done": self.steps_done, "backend": "megatron", **(extra or {})}
+        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+        return out

@@ -1,0 +1,84 @@
+"""``trainer.backend: megatron`` trains like the torch backend and publishes HF directories."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engines.inference.weights import read_weight_files
+from engines.loss import make_policy_loss
+from engines.megatron.trainer import MegatronPolicyTrainer
+from engines.rollout_correction import make_rollout_correction
+from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+
+SHIPPED = Path(__file__).resolve().parents[2] / "engines" / "policies" / "longtail_sum-llama-0.9m"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_parallel_state() -> Iterator[None]:
+    from megatron.core import parallel_state
+
+    started_here = not torch.distributed.is_initialized()
+    yield
+    parallel_state.destroy_model_parallel()
+    if started_here and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _samples(seed: int, n: int = 24) -> list[TrainingSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        response = rng.integers(3, 30, int(rng.integers(3, 40)))
+        behaviour = (-2.0 + 0.1 * rng.normal(size=len(response))).astype(np.float32)
+        out.append(TrainingSample(rng.integers(3, 30, 12), response, behaviour, rng.normal()))
+    return out
+
+
+# Two PPO minibatches, several micro-batches each, token-level TIS: every shared path runs.
+SETTINGS = TrainerSettings(ppo_minibatches=2, max_tokens_per_micro_batch=200, lr=1e-3)
+
+
+def _trainer(cls: type[PolicyTrainer], model_dir: Path = SHIPPED) -> PolicyTrainer:
+    return cls(model_dir, SETTINGS, make_policy_loss(), make_rollout_correction(mode="token_tis"))
+
+
+def test_megatron_and_torch_backends_agree_over_three_steps() -> None:
+    """Same start, same batches: the same losses, grad norms and (within 1e-5) weights."""
+    torch_trainer = _trainer(PolicyTrainer)
+    megatron_trainer = _trainer(MegatronPolicyTrainer)
+    for step in range(3):
+        samples = _samples(step)
+        ours, theirs = megatron_trainer.train_step(samples), torch_trainer.train_step(samples)
+        assert ours["train/micro_batches"] == theirs["train/micro_batches"] > 2
+        for key in ("loss/policy_loss", "train/grad_norm", "mismatch/kl_k3", "policy/entropy"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), (step, key)
+    trained = megatron_trainer.hf_state_dict()
+    start = read_weight_files(SHIPPED)
+    for name, param in torch_trainer.model.named_parameters():
+        if name in trained:
+            torch.testing.assert_close(trained[name], param.detach(), rtol=0, atol=1e-5)
+    assert max(float((trained[n] - start[n]).abs().max()) for n in start) > 1e-3
+
+
+def test_a_megatron_version_saves_as_an_hf_directory_and_resumes_exactly(tmp_path: Path) -> None:
+    trainer = _trainer(MegatronPolicyTrainer)
+    trainer.train_step(_samples(0))
+    saved = trainer.save(tmp_path / "v1")
+    # The published directory is plain HF weights, equal to the Megatron model's.
+    on_disk = read_weight_files(saved)
+    for name, tensor in trainer.hf_state_dict().items():
+        assert torch.equal(on_disk[name], tensor), name
+    # A trainer started from it continues as the one that wrote it (optimizer, RNG).
+    resumed = _trainer(MegatronPolicyTrainer, saved)
+    assert resumed.steps_done == 1
+    ours, theirs = resumed.train_step(_samples(1)), trainer.train_step(_samples(1))
+    assert ours["loss/policy_loss"] == pytest.approx(theirs["loss/policy_loss"], rel=1e-6)
+    for name, tensor in trainer.hf_state_dict().items():
+        torch.testing.assert_close(resumed.hf_state_dict()[name], tensor, rtol=0, atol=1e-6)
