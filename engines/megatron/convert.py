@@ -111,10 +111,19 @@ def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
     }
 
 
-def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """The vocabulary rounded up to a multiple of the tensor-parallel size.
+
+    Megatron splits embedding and output rows evenly across tensor-parallel ranks; the
+    padding rows are zero and their logits are cut off before any softmax.
+    """
+    return -(-vocab_size // tensor_parallel) * tensor_parallel
+
+
+def gpt_model_kwargs(hf_config: Any, tensor_parallel: int = 1) -> dict[str, Any]:
     """``GPTModel`` arguments (besides config and layer spec) for the HF model."""
     return {
-        "vocab_size": int(hf_config.vocab_size),
+        "vocab_size": padded_vocab_size(int(hf_config.vocab_size), tensor_parallel),
         "max_sequence_length": int(hf_config.max_position_embeddings),
         "position_embedding_type": "rope",
         "rotary_percent": 1.0,
@@ -198,4 +207,48 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], hf_config: Any) -> dict[str, tor
         out[h + "mlp.gate_proj.weight"] = gate.clone()
         out[h + "mlp.up_proj.weight"] = up.clone()
         out[h + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+# Which dimension of each Megatron weight is split across tensor-parallel ranks.
+_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def tensor_parallel_shard(
+    mg: dict[str, torch.Tensor], hf_config: Any, rank: int, size: int
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s part of a full (``hf_to_megatron``) state dict at tensor parallel ``size``.
+
+    - q/k/v: whole query groups per rank (each keeps its query heads with their
+      key/value head), which is why ``num_key_value_heads`` must divide by ``size``;
+    - ``linear_fc1``: the rank's rows of the gate and of the up projection;
+    - ``linear_proj`` and ``linear_fc2``: the rank's input columns;
+    - embedding and output rows: the rank's slice of the padded vocabulary;
+    - norms: whole on every rank.
+    """
+    groups = num_kv_heads(hf_config)
+    if groups % size or int(hf_config.intermediate_size) % size:
+        raise UnsupportedModelError(
+            f"tensor parallel size {size} must divide num_key_value_heads ({groups}) "
+            f"and intermediate_size ({hf_config.intermediate_size})"
+        )
+    vocab = padded_vocab_size(int(hf_config.vocab_size), size)
+    out = {}
+    for name, tensor in mg.items():
+        if name.endswith(_VOCAB_PARALLEL):
+            padded = torch.zeros((vocab, *tensor.shape[1:]), dtype=tensor.dtype)
+            padded[: tensor.shape[0]] = tensor
+            out[name] = padded.chunk(size, dim=0)[rank].clone()
+        elif name.endswith(_COLUMN_PARALLEL):
+            by_group = tensor.reshape(groups, -1, *tensor.shape[1:])
+            out[name] = by_group.chunk(size, dim=0)[rank].reshape(-1, *tensor.shape[1:]).clone()
+        elif name.endswith("mlp.linear_fc1.weight"):
+            gate, up = tensor.chunk(2, dim=0)
+            out[name] = torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]]).clone()
+        elif name.endswith(_ROW_PARALLEL):
+            out[name] = tensor.chunk(size, dim=1)[rank].clone()
+        else:
+            out[name] = tensor
     return out

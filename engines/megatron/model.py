@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import AutoConfig
@@ -124,16 +125,22 @@ def _build_gpt_model(hf_config: Any, params_dtype: torch.dtype, device: str) -> 
         transformer_layer_spec=spec,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        **convert.gpt_model_kwargs(hf_config),
+        **convert.gpt_model_kwargs(
+            hf_config, parallel_state.get_tensor_model_parallel_world_size()
+        ),
     )
     return model.to(device)
 
 
 def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]:
-    """``(GPTModel, hf_config)`` with the weights of the HF directory (parallel sizes 1)."""
+    """``(GPTModel, hf_config)`` with this rank's part of the HF directory's weights."""
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model = build_gpt_model(hf_config, **kwargs)
     state = convert.hf_to_megatron(read_weight_files(model_dir), hf_config)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_size > 1:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        state = convert.tensor_parallel_shard(state, hf_config, tp_rank, tp_size)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]
     if missing or unexpected:
@@ -144,8 +151,15 @@ def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]
     return model, hf_config
 
 
-def packed_logits(model: GPTModel, packed: PackedBatch) -> torch.Tensor:
-    """Logits ``[total_tokens, vocab]`` of a packed row (tensor parallel size 1)."""
+def packed_logits(
+    model: GPTModel, packed: PackedBatch, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Logits ``[total_tokens, vocab_size]`` of a packed row, whole on every rank.
+
+    With tensor parallelism each rank computes its slice of the (padded) vocabulary;
+    the slices are gathered (the gather's backward hands each rank its slice of the
+    gradient) and the padding columns are cut off.
+    """
     cu = packed.cu_seqlens.to(torch.int32)
     params = PackedSeqParams(
         qkv_format="thd",
@@ -158,4 +172,6 @@ def packed_logits(model: GPTModel, packed: PackedBatch) -> torch.Tensor:
         logits = model(
             packed.input_ids, packed.position_ids, attention_mask=None, packed_seq_params=params
         )
-    return logits[0]
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[0, :, :vocab_size]

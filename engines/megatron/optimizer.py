@@ -50,8 +50,11 @@ class MegatronPolicyOptimizer:
         adam_eps: float,
         weight_decay: float,
         grad_clip: float,
+        vocab_size: int | None = None,
         use_distributed_optimizer: bool = True,
     ) -> None:
+        """``vocab_size``: the policy's real vocabulary (logits past it are padding)."""
+        self.vocab_size = vocab_size
         distributed = use_distributed_optimizer and torch.cuda.is_available()
         model.config.calculate_per_token_loss = True
         model.config.finalize_model_grads_func = finalize_model_grads
@@ -87,7 +90,7 @@ class MegatronPolicyOptimizer:
 
         def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
             index, packed = next(data)
-            logits = packed_logits(model, packed)
+            logits = packed_logits(model, packed, self.vocab_size)
 
             def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
                 loss, tokens, metrics = loss_of(index, output)

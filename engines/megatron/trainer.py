@@ -61,6 +61,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
             adam_eps=settings.adam_eps,
             weight_decay=settings.weight_decay,
             grad_clip=settings.grad_clip,
+            vocab_size=int(self.hf_config.vocab_size),
         )
         super().__init__(
             model_dir,
@@ -82,7 +83,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         self.policy_optimizer.optimizer.load_state_dict(torch.load(path, weights_only=False))
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
-        return packed_logits(self.megatron, packed)
+        return packed_logits(self.megatron, packed, int(self.hf_config.vocab_size))
 
     def _set_training(self, training: bool) -> None:
         self.megatron.train(training)
