@@ -110,6 +110,9 @@ class _Batch:
 class PolicyTrainer:
     """Holds the policy being optimised and its AdamW state."""
 
+    backend = "torch"
+    """``trainer.backend`` value of this class; recorded with every saved version."""
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -133,12 +136,19 @@ class PolicyTrainer:
         self.optimizer = self._make_optimizer()
         self.steps_done = 0
         self._generator = torch.Generator().manual_seed(settings.seed)
+        state_path = Path(model_dir) / TRAINER_STATE_FILE
+        saved_state = json.loads(state_path.read_text()) if state_path.exists() else {}
         optimizer_path = Path(model_dir) / OPTIMIZER_FILE
         if optimizer_path.exists():
+            # Versions written before backends were recorded are the torch backend's.
+            written_by = saved_state.get("backend", "torch")
+            if written_by != self.backend:
+                raise ValueError(
+                    f"{str(model_dir)!r} holds the {written_by} backend's optimizer state; "
+                    f"resume it with trainer.backend={written_by}"
+                )
             self._load_optimizer_state(optimizer_path)
-        state_path = Path(model_dir) / TRAINER_STATE_FILE
-        if state_path.exists():
-            self.steps_done = int(json.loads(state_path.read_text()).get("steps_done", 0))
+        self.steps_done = int(saved_state.get("steps_done", 0))
         rng_path = Path(model_dir) / RNG_STATE_FILE
         if rng_path.exists():
             # Re-seeding on load would replay step 1's minibatch split after every restart
@@ -417,6 +427,6 @@ class PolicyTrainer:
         if include_optimizer:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
             torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
-        state = {"steps_done": self.steps_done, **(extra or {})}
+        state = {"steps_done": self.steps_done, "backend": self.backend, **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
         return out

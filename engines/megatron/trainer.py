@@ -40,6 +40,8 @@ from engines.trainer import (
 class MegatronPolicyTrainer(PolicyTrainer):
     """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (parallel sizes 1)."""
 
+    backend = "megatron"
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -128,6 +130,6 @@ class MegatronPolicyTrainer(PolicyTrainer):
         if include_optimizer:
             torch.save(self.policy_optimizer.optimizer.state_dict(), out / OPTIMIZER_FILE)
             torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
-        state = {"steps_done": self.steps_done, "backend": "megatron", **(extra or {})}
+        state = {"steps_done": self.steps_done, "backend": self.backend, **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
         return out

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from engines.loss import make_policy_loss
-from engines.megatron.trainer import MegatronPolicyTrainer
 from engines.rollout_correction import make_rollout_correction
 from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
@@ -52,7 +51,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)  # megatron-core without TE/Apex
+    from engines.megatron.trainer import MegatronPolicyTrainer
+
     torch.set_num_threads(args.threads)
     settings = TrainerSettings(ppo_minibatches=2, lr=1e-4, max_tokens_per_micro_batch=8192)
     trainers = {

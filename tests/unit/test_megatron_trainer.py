@@ -82,3 +82,14 @@ def test_a_megatron_version_saves_as_an_hf_directory_and_resumes_exactly(tmp_pat
     assert ours["loss/policy_loss"] == pytest.approx(theirs["loss/policy_loss"], rel=1e-6)
     for name, tensor in trainer.hf_state_dict().items():
         torch.testing.assert_close(resumed.hf_state_dict()[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_a_version_resumes_only_under_the_backend_that_wrote_its_optimizer(
+    tmp_path: Path,
+) -> None:
+    written_by_megatron = _trainer(MegatronPolicyTrainer).save(tmp_path / "megatron")
+    written_by_torch = _trainer(PolicyTrainer).save(tmp_path / "torch")
+    with pytest.raises(ValueError, match="resume it with trainer.backend=megatron"):
+        _trainer(PolicyTrainer, written_by_megatron)
+    with pytest.raises(ValueError, match="resume it with trainer.backend=torch"):
+        _trainer(MegatronPolicyTrainer, written_by_torch)

@@ -1,0 +1,44 @@
+"""The train flow with ``trainer.backend=megatron``: roles in processes, versions published
+as HF directories that the inference engine loads, and a resumed run that goes on."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.config import load_config
+from infra.registry import CheckpointRegistry
+from infra.streams.reader import StreamReader
+from tasks.common import registered_model_name
+from tests.flows.conftest import tiny_run_overrides
+
+pytestmark = pytest.mark.flows
+
+
+def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, tmp_path):
+    from engines.inference.engine import InferenceEngine
+    from engines.inference.types import GenerationRequest, SamplingParams
+    from flows.train import train
+
+    overrides = tiny_run_overrides(
+        tmp_path, **{"trainer.backend": "megatron", "trainer.total_steps": 2}
+    )
+    first = load_config("default", overrides)
+    assert train(first, run_id="mg")["final_policy_version"] == 2
+
+    longer = first.model_copy(deep=True)
+    longer.trainer.total_steps = 3
+    train(longer, run_id="mg", resume=True)
+
+    registry = CheckpointRegistry(longer.tracking.uri, registered_model_name(longer, "mg"))
+    assert [v.policy_version for v in registry.versions()] == [0, 1, 2, 3]
+    trainer = StreamReader(longer.storage.url, "mg", "scored", consumer="trainer")
+    assert len(trainer.acked()) == 3 * longer.trainer.prompts_per_batch
+
+    newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert state["backend"] == "megatron"
+    assert state["steps_done"] == 3
+    engine = InferenceEngine(newest, max_batch_size=2, max_seq_len=32)
+    out = engine.generate([GenerationRequest([3, 4, 5], SamplingParams(max_new_tokens=4, seed=0))])
+    assert len(out[0].output_token_ids) >= 1
