@@ -252,3 +252,27 @@ def tensor_parallel_shard(
         else:
             out[name] = tensor
     return out
+
+
+def tensor_parallel_merge(
+    shards: list[dict[str, torch.Tensor]], hf_config: Any
+) -> dict[str, torch.Tensor]:
+    """The full state dict from every rank's ``tensor_parallel_shard`` (rank order): its inverse."""
+    size = len(shards)
+    groups = num_kv_heads(hf_config)
+    out = {}
+    for name, first in shards[0].items():
+        parts = [shard[name] for shard in shards]
+        if name.endswith(_VOCAB_PARALLEL):
+            out[name] = torch.cat(parts, dim=0)[: int(hf_config.vocab_size)]
+        elif name.endswith(_COLUMN_PARALLEL):
+            by_group = [p.reshape(groups // size, -1, *first.shape[1:]) for p in parts]
+            out[name] = torch.cat(by_group, dim=0).reshape(-1, *first.shape[1:])
+        elif name.endswith("mlp.linear_fc1.weight"):
+            halves = [p.chunk(2, dim=0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        elif name.endswith(_ROW_PARALLEL):
+            out[name] = torch.cat(parts, dim=1)
+        else:
+            out[name] = first
+    return out

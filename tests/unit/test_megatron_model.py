@@ -228,3 +228,22 @@ def test_the_cpu_shim_patches_torch_only_inside_its_block() -> None:
     assert (torch.zeros, torch.tensor, torch.Tensor.cuda, torch.cuda.current_device) == before
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA: asking for it still fails
         torch.zeros(2, device="cuda")
+
+
+def test_tensor_parallel_shards_merge_back_bit_exact(policy_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    size = 2  # the suite's models have two key/value heads
+    hf_config = AutoConfig.from_pretrained(policy_dir)
+    full = convert.hf_to_megatron(read_weight_files(policy_dir), hf_config)
+    shards = [convert.tensor_parallel_shard(full, hf_config, r, size) for r in range(size)]
+    # Every sharded tensor really is split: no rank holds a whole projection.
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert shards[0][qkv].shape[0] * size == full[qkv].shape[0]
+    merged = convert.tensor_parallel_merge(shards, hf_config)
+    assert set(merged) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(merged[name], tensor), name
+
+    with pytest.raises(convert.UnsupportedModelError, match="must divide num_key_value_heads"):
+        convert.tensor_parallel_shard(full, hf_config, 0, 4)
