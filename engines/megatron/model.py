@@ -116,7 +116,9 @@ def _build_gpt_model(hf_config: Any, params_dtype: torch.dtype, device: str) -> 
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
-        perform_initialization=False,  # the weights come from the HF directory
+        # Initialised before the HF weights overwrite it: the initialisers are also what
+        # tags tensor-parallel weights as such (their grads count on every rank).
+        perform_initialization=True,
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 
 from engines.batching import PackedBatch
 from engines.loss import PolicyLossFn
@@ -38,7 +39,7 @@ from engines.trainer import (
 
 
 class MegatronPolicyTrainer(PolicyTrainer):
-    """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (parallel sizes 1)."""
+    """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (tensor parallel optional)."""
 
     backend = "megatron"
 
@@ -52,8 +53,11 @@ class MegatronPolicyTrainer(PolicyTrainer):
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         decoupled: bool = True,
+        tensor_parallel: int = 1,
     ):
-        initialize_parallel(1, 1)
+        """As ``PolicyTrainer``; with ``tensor_parallel`` > 1, one process per rank
+        constructs one and every rank calls each method in step, with the same samples."""
+        initialize_parallel(tensor_parallel, 1)
         self.megatron, self.hf_config = load_hf_policy(model_dir, params_dtype=dtype, device=device)
         self.megatron.train()
         self.policy_optimizer = MegatronPolicyOptimizer(
@@ -81,8 +85,14 @@ class MegatronPolicyTrainer(PolicyTrainer):
     def _make_optimizer(self) -> Any:
         return self.policy_optimizer.optimizer
 
+    def _optimizer_file(self) -> str:
+        # Each tensor-parallel rank holds the Adam state of its own shard.
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        return OPTIMIZER_FILE if rank == 0 else f"optimizer.tp{rank}.pt"
+
     def _load_optimizer_state(self, path: Path) -> None:
-        self.policy_optimizer.optimizer.load_state_dict(torch.load(path, weights_only=False))
+        state = torch.load(path.parent / self._optimizer_file(), weights_only=False)
+        self.policy_optimizer.optimizer.load_state_dict(state)
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         return packed_logits(self.megatron, packed, int(self.hf_config.vocab_size))
@@ -103,12 +113,20 @@ class MegatronPolicyTrainer(PolicyTrainer):
         return grad_norm
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights in Hugging Face names and layout."""
+        """The current weights in Hugging Face names and layout (collective: every
+        tensor-parallel rank must call it; each gets the whole model)."""
         weights = {
-            name: tensor
+            name: tensor.detach()
             for name, tensor in self.megatron.state_dict().items()
             if not name.endswith("._extra_state")
         }
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        if size > 1:
+            shards: list[Any] = [None] * size
+            torch.distributed.all_gather_object(
+                shards, weights, group=parallel_state.get_tensor_model_parallel_group()
+            )
+            weights = convert.tensor_parallel_merge(shards, self.hf_config)
         return convert.megatron_to_hf(weights, self.hf_config)
 
     def save(
@@ -118,17 +136,25 @@ class MegatronPolicyTrainer(PolicyTrainer):
         include_optimizer: bool = True,
         extra: dict[str, Any] | None = None,
     ) -> Path:
-        """Write the HF directory (gathered from Megatron) + optimizer and minibatch-RNG state."""
+        """Write the HF directory (gathered from Megatron) + optimizer and minibatch-RNG state.
+
+        Collective under tensor parallelism: every rank writes its optimizer shard, and
+        tensor-parallel rank 0 the gathered HF weights and the rest.
+        """
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        missing, unexpected = self.model.load_state_dict(self.hf_state_dict(), strict=False)
+        weights = self.hf_state_dict()
+        if include_optimizer:
+            torch.save(self.policy_optimizer.optimizer.state_dict(), out / self._optimizer_file())
+        if parallel_state.get_tensor_model_parallel_rank() != 0:
+            return out
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
             raise RuntimeError(f"Megatron -> HF left {missing} missing, {unexpected} unexpected")
         self.model.save_pretrained(out, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
         if include_optimizer:
-            torch.save(self.policy_optimizer.optimizer.state_dict(), out / OPTIMIZER_FILE)
             torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
         state = {"steps_done": self.steps_done, "backend": self.backend, **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
