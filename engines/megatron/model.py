@@ -71,17 +71,20 @@ class PackedDotProductAttention(DotProductAttention):
 def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
     """Start torch.distributed (if needed) and Megatron's model-parallel groups.
 
-    A process started without a launcher is a world of one (rank 0 on a free loopback
-    port); ``torchrun`` or Sluice's own launcher set the usual environment variables.
+    A process started without a launcher is a world of one; ``torchrun`` or another
+    launcher sets ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
     """
     cpu_shim.install()
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            # No rendezvous to do: an in-memory store, no port to pick or collide on.
+            store = torch.distributed.HashStore()
+            torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
+        else:  # MASTER_ADDR, MASTER_PORT and RANK come from the launcher
+            rank = int(os.environ["RANK"])
+            torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
@@ -90,14 +93,6 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) ->
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def build_gpt_model(
