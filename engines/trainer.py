@@ -406,6 +406,9 @@ class PolicyTrainer:
         )
         return metrics
 
+    def close(self) -> None:
+        """Release what the trainer holds beyond this process (nothing, for this backend)."""
+
     def response_logprobs(self, samples: Sequence[TrainingSample]) -> list[np.ndarray]:
         """log π of each sample's response tokens under the current weights (no grad)."""
         batch = self.make_batch(samples)

@@ -162,5 +162,6 @@ class SyncRole(TrainingRole):
                 wall_time_s=elapsed,
             )
         background.close()
+        trainer.close()
         engine.shutdown()
         self.finish(version)

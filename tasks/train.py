@@ -257,5 +257,6 @@ class TrainRole(TrainingRole):
                 wall_time_s=elapsed,
             )
         self.finish_publish()
+        trainer.close()
         self.background.close()
         self.finish(version)

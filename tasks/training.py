@@ -12,50 +12,28 @@ from pathlib import Path
 from typing import Any
 
 from engines.advantages import AdvantageFn, make_advantage_fn
-from engines.loss import make_policy_loss
-from engines.model import resolve_device
-from engines.rollout_correction import make_rollout_correction
-from engines.trainer import PolicyTrainer, TrainerSettings
+from engines.trainer import PolicyTrainer
 from infra.checkpoints import save_checkpoint
 from infra.config import RunConfig
 from infra.registry import CommittedVersion
 from tasks.role import Role
-
-
-def trainer_settings(config: RunConfig) -> TrainerSettings:
-    t = config.trainer
-    return TrainerSettings(
-        lr=t.lr,
-        adam_betas=t.adam_betas,
-        adam_eps=t.adam_eps,
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-        temperature=config.rollout.temperature,
-        ppo_minibatches=t.ppo_minibatches,
-        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-        min_micro_batches=t.min_micro_batches,
-        seed=config.seed,
-    )
+from tasks.trainer_ranks import build_rank_trainer, join, start_following_ranks
 
 
 def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
-    """The policy trainer the run config asks for, on the weights in `model_dir`."""
-    t = config.trainer
-    correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
-    device = resolve_device(config.device)
-    trainer_class = PolicyTrainer
-    if t.backend == "megatron":
-        from engines.megatron.trainer import MegatronPolicyTrainer
+    """The policy trainer the run config asks for, on the weights in `model_dir`.
 
-        trainer_class = MegatronPolicyTrainer
-    return trainer_class(
-        model_dir,
-        trainer_settings(config),
-        make_policy_loss(**t.loss.model_dump()),
-        correction,
-        device=device,
-        decoupled=t.loss.decoupled,
-    )
+    With `trainer.tensor_parallel` > 1 this process becomes rank 0 and starts the other
+    ranks; the trainer returned runs each `train_step` and `save` on all of them, and
+    `close()` releases them.
+    """
+    if config.trainer.tensor_parallel == 1:
+        return build_rank_trainer(config, model_dir)
+    from engines.megatron.lockstep import LockstepTrainer
+
+    ranks = start_following_ranks(config, model_dir)
+    lead = LockstepTrainer(build_rank_trainer(config, model_dir), on_close=lambda: join(ranks))
+    return lead  # type: ignore[return-value]  # a PolicyTrainer by delegation
 
 
 def advantage_fn(config: RunConfig) -> AdvantageFn:

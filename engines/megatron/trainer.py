@@ -112,6 +112,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
         )
         return grad_norm
 
+    def _barrier(self) -> None:
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.barrier(group=parallel_state.get_tensor_model_parallel_group())
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights in Hugging Face names and layout (collective: every
         tensor-parallel rank must call it; each gets the whole model)."""
@@ -147,7 +151,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
         if include_optimizer:
             torch.save(self.policy_optimizer.optimizer.state_dict(), out / self._optimizer_file())
         if parallel_state.get_tensor_model_parallel_rank() != 0:
+            self._barrier()
             return out
+        # Rank 0 returns once every shard is on disk (its caller uploads the directory).
+        self._barrier()
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
