@@ -42,3 +42,35 @@ def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, 
     engine = InferenceEngine(newest, max_batch_size=2, max_seq_len=32)
     out = engine.generate([GenerationRequest([3, 4, 5], SamplingParams(max_new_tokens=4, seed=0))])
     assert len(out[0].output_token_ids) >= 1
+
+
+def test_tensor_parallel_2_run_trains_with_a_following_rank_and_leaves_none(prefect_api, tmp_path):
+    from flows.train import train
+
+    overrides = tiny_run_overrides(
+        tmp_path,
+        **{"trainer.backend": "megatron", "trainer.tensor_parallel": 2, "trainer.total_steps": 2},
+    )
+    config = load_config("default", overrides)
+    before = _spawned_children()
+    assert train(config, run_id="tp2")["final_policy_version"] == 2
+
+    registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, "tp2"))
+    newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
+    # Rank 1 kept its own optimizer shard beside rank 0's gathered HF weights.
+    assert (newest / "optimizer.pt").exists() and (newest / "optimizer.tp1.pt").exists()
+    assert json.loads((newest / "trainer_state.json").read_text())["steps_done"] == 2
+    assert _spawned_children() - before == set()
+
+
+def _spawned_children() -> set[int]:
+    """Pids of live processes started by multiprocessing's spawn (as following ranks are)."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"multiprocessing.spawn" in cmdline:
+            pids.add(int(proc.name))
+    return pids
