@@ -227,7 +227,7 @@ class TrainerConfig(_Section):
     """Optimisation."""
 
     backend: Literal["torch", "megatron"] = "torch"
-    """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron runs pipeline parallel size 1 so far."""
+    """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron runs tensor parallel (`tensor_parallel`), not yet pipeline parallel."""
     tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel ranks of the Megatron backend: the train role is rank 0 and starts the others as processes on its machine, each with a slice of every layer (so it must divide the key/value heads and the MLP width). 1 = one process. Needs `backend: megatron`."""
     prompts_per_batch: int = Field(8, ge=1)
