@@ -10,8 +10,9 @@ writes the Hugging Face directory that the inference engine and SGLang load.
 Parallel sizes: tensor parallel N runs one of these per rank, in step (see
 ``engines.megatron.lockstep``); pipeline parallel is not built yet.
 
-Departure from the torch backend: Megatron's Adam applies no weight decay to biases and norm weights (the torch backend decays every parameter);
-the two agree at the default ``weight_decay=0``.
+Departure from the torch backend: Megatron's Adam applies no weight decay to biases
+and norm weights (the torch backend decays every parameter); the two agree at the
+default ``weight_decay=0``.
 """
 
 from __future__ import annotations
