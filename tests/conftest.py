@@ -92,6 +92,23 @@ def small_llama_config(**overrides: Any) -> PretrainedConfig:
     return LlamaConfig(**fields)
 
 
+def small_qwen2_config(**overrides: Any) -> PretrainedConfig:
+    """The small Llama's shape as a Qwen2 (q/k/v biases); same vocabulary and heads."""
+    from transformers import Qwen2Config
+
+    fields = small_llama_config().to_dict()
+    fields = {k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size")}
+    fields.update(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+    )
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``random_model_dir(seed, config=None, *, peaked=True, **overrides)``.

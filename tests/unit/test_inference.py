@@ -21,6 +21,7 @@ from engines.inference.types import (
     SamplingParams,
     WeightLoadError,
 )
+from tests.conftest import small_qwen2_config
 
 # The suite's small Llama (tests/conftest.py small_llama_config): vocabulary and EOS token.
 VOCAB = 40
@@ -189,16 +190,7 @@ def test_prefill_and_decode_match_full_forward_for_llama_and_qwen2(
     random_model_dir: Callable[..., Path], arch: str, fast: bool
 ) -> None:
     if arch == "qwen2":
-        config: Qwen2Config | None = Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=48,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            eos_token_id=EOS,
-        )
+        config: Qwen2Config | None = small_qwen2_config()
         model_cls: type = Qwen2ForCausalLM
     else:
         config, model_cls = None, LlamaForCausalLM  # the suite's small Llama

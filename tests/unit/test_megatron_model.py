@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from engines.batching import pack_sequences, register_packed_attention
 from engines.inference.weights import read_weight_files
 from engines.megatron import convert
 from engines.megatron import model as megatron_model
+from tests.conftest import small_qwen2_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,26 +34,13 @@ def world_of_one() -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
-def _qwen2_config() -> Qwen2Config:
-    # Untied embeddings and q/k/v biases: the other layout the conversion carries.
-    return Qwen2Config(
-        vocab_size=40,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    )
-
-
 @pytest.fixture(scope="module", params=["llama-tied-gqa", "qwen2-untied-qkv-bias"])
 def policy_dir(request: pytest.FixtureRequest, random_model_dir: Callable[..., Path]) -> Path:
     if request.param.startswith("llama"):
         return random_model_dir(seed=3, tie_word_embeddings=True)
-    return random_model_dir(seed=4, config=_qwen2_config())
+    # Untied embeddings and q/k/v biases: the other layout the conversion carries.
+    config = small_qwen2_config(tie_word_embeddings=False, use_sliding_window=False)
+    return random_model_dir(seed=4, config=config)
 
 
 def _megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
