@@ -64,8 +64,6 @@ def follow_main(config_json: str, model_dir: str, rank: int, threads: int) -> No
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the daemon flag applies
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ["RANK"] = str(rank)
-    import torch
-
     from engines.megatron.lockstep import follow
 
     torch.set_num_threads(threads)

@@ -98,8 +98,9 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) ->
 def build_gpt_model(
     hf_config: Any, *, params_dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> GPTModel:
-    """An uninitialised-weights ``GPTModel`` shaped like ``hf_config`` (parallel state set)."""
-    with cpu_shim.cpu_only():
+    """A ``GPTModel`` shaped like ``hf_config`` for this rank (parallel state set), with
+    random weights that ``load_hf_policy`` overwrites; the caller's RNG is left as it was."""
+    with cpu_shim.cpu_only(), torch.random.fork_rng(devices=[]):
         return _build_gpt_model(hf_config, params_dtype, device)
 
 
