@@ -425,11 +425,18 @@ class PolicyTrainer:
         """Write an HF model directory (+ optimizer and minibatch-RNG state) that inference engines load."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
+        if not self._save_weights_and_optimizer(out, include_optimizer):
+            return out
         self.tokenizer.save_pretrained(out)
         if include_optimizer:
-            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
             torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
         state = {"steps_done": self.steps_done, "backend": self.backend, **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
         return out
+
+    def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
+        """Write the HF weights (and optimizer state); False if another process writes the rest."""
+        self.model.save_pretrained(out, safe_serialization=True)
+        if include_optimizer:
+            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        return True

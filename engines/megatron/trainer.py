@@ -17,7 +17,6 @@ default ``weight_decay=0``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,6 @@ from engines.megatron.optimizer import MegatronPolicyOptimizer
 from engines.rollout_correction import RolloutCorrectionFn
 from engines.trainer import (
     OPTIMIZER_FILE,
-    RNG_STATE_FILE,
-    TRAINER_STATE_FILE,
     MicroBatchLossFn,
     PolicyTrainer,
     TrainerSettings,
@@ -135,36 +132,19 @@ class MegatronPolicyTrainer(PolicyTrainer):
             weights = convert.tensor_parallel_merge(shards, self.hf_config)
         return convert.megatron_to_hf(weights, self.hf_config)
 
-    def save(
-        self,
-        out_dir: str | Path,
-        *,
-        include_optimizer: bool = True,
-        extra: dict[str, Any] | None = None,
-    ) -> Path:
-        """Write the HF directory (gathered from Megatron) + optimizer and minibatch-RNG state.
-
-        Collective under tensor parallelism: every rank writes its optimizer shard, and
-        tensor-parallel rank 0 the gathered HF weights and the rest.
-        """
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+    def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
+        """Every rank writes its optimizer shard; tensor-parallel rank 0 the gathered HF
+        weights, and it returns only once every shard is on disk (its caller uploads the
+        directory). Collective: every rank must call ``save``."""
         weights = self.hf_state_dict()
         if include_optimizer:
             torch.save(self.policy_optimizer.optimizer.state_dict(), out / self._optimizer_file())
-        if parallel_state.get_tensor_model_parallel_rank() != 0:
-            self._barrier()
-            return out
-        # Rank 0 returns once every shard is on disk (its caller uploads the directory).
         self._barrier()
+        if parallel_state.get_tensor_model_parallel_rank() != 0:
+            return False
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
             raise RuntimeError(f"Megatron -> HF left {missing} missing, {unexpected} unexpected")
         self.model.save_pretrained(out, safe_serialization=True)
-        self.tokenizer.save_pretrained(out)
-        if include_optimizer:
-            torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
-        state = {"steps_done": self.steps_done, "backend": self.backend, **(extra or {})}
-        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
-        return out
+        return True
