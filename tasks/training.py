@@ -29,8 +29,15 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     """
     if config.trainer.tensor_parallel == 1:
         return build_rank_trainer(config, model_dir)
+    from transformers import AutoConfig
+
+    from engines.megatron.convert import check_supported, check_tensor_parallel
     from engines.megatron.lockstep import LockstepTrainer
 
+    # Refuse a policy the ranks cannot split before starting any of them.
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    check_supported(hf_config)
+    check_tensor_parallel(hf_config, config.trainer.tensor_parallel)
     ranks = start_following_ranks(config, model_dir)
     lead = LockstepTrainer(build_rank_trainer(config, model_dir), on_close=lambda: join(ranks))
     return lead  # type: ignore[return-value]  # a PolicyTrainer by delegation

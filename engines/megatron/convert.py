@@ -216,6 +216,20 @@ _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+def check_tensor_parallel(hf_config: Any, size: int) -> None:
+    """Raise ``UnsupportedModelError`` unless every split tensor parallelism makes is even."""
+    sizes = {
+        "num_attention_heads": int(hf_config.num_attention_heads),
+        "num_key_value_heads": num_kv_heads(hf_config),
+        "intermediate_size": int(hf_config.intermediate_size),
+    }
+    uneven = [f"{name} ({value})" for name, value in sizes.items() if value % size]
+    if uneven:
+        raise UnsupportedModelError(
+            f"trainer.tensor_parallel={size} must divide the policy's " + " and ".join(uneven)
+        )
+
+
 def tensor_parallel_shard(
     mg: dict[str, torch.Tensor], hf_config: Any, rank: int, size: int
 ) -> dict[str, torch.Tensor]:
@@ -228,12 +242,8 @@ def tensor_parallel_shard(
     - embedding and output rows: the rank's slice of the padded vocabulary;
     - norms: whole on every rank.
     """
+    check_tensor_parallel(hf_config, size)
     groups = num_kv_heads(hf_config)
-    if groups % size or int(hf_config.intermediate_size) % size:
-        raise UnsupportedModelError(
-            f"tensor parallel size {size} must divide num_key_value_heads ({groups}) "
-            f"and intermediate_size ({hf_config.intermediate_size})"
-        )
     vocab = padded_vocab_size(int(hf_config.vocab_size), size)
     out = {}
     for name, tensor in mg.items():

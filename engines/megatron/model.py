@@ -133,6 +133,8 @@ def _build_gpt_model(hf_config: Any, params_dtype: torch.dtype, device: str) -> 
 def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]:
     """``(GPTModel, hf_config)`` with this rank's part of the HF directory's weights."""
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    convert.check_supported(hf_config)
+    convert.check_tensor_parallel(hf_config, parallel_state.get_tensor_model_parallel_world_size())
     model = build_gpt_model(hf_config, **kwargs)
     state = convert.hf_to_megatron(read_weight_files(model_dir), hf_config)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()

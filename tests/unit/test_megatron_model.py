@@ -233,5 +233,10 @@ def test_tensor_parallel_shards_merge_back_bit_exact(policy_dir: Path) -> None:
     for name, tensor in full.items():
         assert torch.equal(merged[name], tensor), name
 
-    with pytest.raises(convert.UnsupportedModelError, match="must divide num_key_value_heads"):
+    with pytest.raises(convert.UnsupportedModelError, match=r"num_key_value_heads \(2\)"):
         convert.tensor_parallel_shard(full, hf_config, 0, 4)
+    with pytest.raises(
+        convert.UnsupportedModelError,
+        match=r"tensor_parallel=3 must divide the policy's num_attention_heads \(4\)",
+    ):
+        convert.check_tensor_parallel(hf_config, 3)
