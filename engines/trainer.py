@@ -43,8 +43,9 @@ from engines.rollout_correction import RolloutCorrectionFn
 
 OPTIMIZER_FILE = "optimizer.pt"
 
-MicroBatchLossFn = Callable[[int, torch.Tensor], torch.Tensor]
-"""``(micro-batch index, its logits) -> its loss`` (token sum over the minibatch's count)."""
+MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
+micro-batch's token sum over the minibatch's token count."""
 TRAINER_STATE_FILE = "trainer_state.json"
 RNG_STATE_FILE = "trainer_rng.pt"
 
@@ -183,24 +184,39 @@ class PolicyTrainer:
     def _set_training(self, training: bool) -> None:
         self.model.train(training)
 
+    def _map_logits(
+        self, micro_batches: list[PackedBatch], read: Callable[[int, torch.Tensor], Any]
+    ) -> list[Any]:
+        """``[read(i, logits of micro-batch i)]`` without gradients, for every micro-batch.
+
+        Another backend may compute the logits elsewhere (the last pipeline stage) and
+        split the micro-batches across data-parallel replicas; every caller still gets
+        the whole list, so ``read`` must return plain, picklable values.
+        """
+        return [read(index, self._logits(packed)) for index, packed in enumerate(micro_batches)]
+
     def _optimizer_step(
         self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
-    ) -> float:
-        """One optimizer step over a minibatch's micro-batches; returns the pre-clip grad norm.
+    ) -> tuple[float, list[dict[str, torch.Tensor]]]:
+        """One optimizer step over a minibatch's micro-batches: ``(pre-clip grad norm,
+        every micro-batch's loss metrics)``.
 
         ``loss_of(i, logits)`` is micro-batch i's loss: its token sum over the minibatch's
         token count (``sum(token_counts)``), so the accumulated gradient is the whole
         minibatch's.
         """
         self.optimizer.zero_grad(set_to_none=True)
+        parts = []
         for index, packed in enumerate(micro_batches):
-            loss_of(index, self._logits(packed)).backward()
+            loss, metrics = loss_of(index, self._logits(packed))
+            loss.backward()
+            parts.append(metrics)
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         )
         if math.isfinite(grad_norm):
             self.optimizer.step()
-        return grad_norm
+        return grad_norm, parts
 
     # ------------------------------------------------------------ log-probs
 
@@ -253,10 +269,18 @@ class PolicyTrainer:
     ) -> torch.Tensor:
         """log π of every response token under the current weights (flat, sample order)."""
         self._set_training(False)
+        plan = self._micro_batches(batch, list(range(len(batch.sequences))))
+        packed = [pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan]
+
+        def read(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            entropy: list[torch.Tensor] | None = [] if entropy_out is not None else None
+            values = self._packed_logprobs(batch, plan[index], packed[index], entropy, logits)
+            return values.cpu(), entropy[0].cpu() if entropy else None
+
         result = torch.empty(batch.response_offsets[-1], dtype=torch.float32)
-        for mb in self._micro_batches(batch, list(range(len(batch.sequences)))):
-            packed = pack_sequences([batch.sequences[i] for i in mb]).to(self.device)
-            values = self._packed_logprobs(batch, mb, packed, entropy_out).cpu()
+        for mb, (values, entropy) in zip(plan, self._map_logits(packed, read), strict=True):
+            if entropy_out is not None:
+                entropy_out.append(entropy)
             offset = 0
             for i in mb:
                 n = batch.response_lens[i]
@@ -305,11 +329,12 @@ class PolicyTrainer:
         proximal: torch.Tensor,
         weights: torch.Tensor | None,
         loss_mask: torch.Tensor,
-        loss_parts: list[dict[str, torch.Tensor]],
     ) -> MicroBatchLossFn:
-        """The loss of micro-batch i of a minibatch given its logits (metrics go to ``loss_parts``)."""
+        """The loss (and metrics) of micro-batch i of a minibatch given its logits."""
 
-        def loss_of(index: int, logits: torch.Tensor) -> torch.Tensor:
+        def loss_of(
+            index: int, logits: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             mb = plan[index]
             mb_weights = (
                 self._gather(batch, weights, mb).to(self.device) if weights is not None else None
@@ -323,8 +348,7 @@ class PolicyTrainer:
                 num_global_tokens,
                 behaviour_weights=mb_weights,
             )
-            loss_parts.append(parts)
-            return loss
+            return loss, parts
 
         return loss_of
 
@@ -379,9 +403,10 @@ class PolicyTrainer:
                 proximal,
                 weights,
                 corrected_mask,
-                loss_parts,
             )
-            grad_norms.append(self._optimizer_step(packed, token_counts, loss_of))
+            grad_norm, parts = self._optimizer_step(packed, token_counts, loss_of)
+            grad_norms.append(grad_norm)
+            loss_parts.extend(parts)
         self.steps_done += 1
         metrics.update(merge_micro_batch_metrics(loss_parts))
         # Each minibatch's loss sums to its own token mean: report the mean over minibatches.
@@ -430,9 +455,13 @@ class PolicyTrainer:
         self.tokenizer.save_pretrained(out)
         if include_optimizer:
             torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
-        state = {"steps_done": self.steps_done, "backend": self.backend, **(extra or {})}
+        state = {**self._saved_state(), **(extra or {})}
         (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
         return out
+
+    def _saved_state(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` records about this trainer."""
+        return {"steps_done": self.steps_done, "backend": self.backend}
 
     def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
         """Write the HF weights (and optimizer state); False if another process writes the rest."""

@@ -227,9 +227,13 @@ class TrainerConfig(_Section):
     """Optimisation."""
 
     backend: Literal["torch", "megatron"] = "torch"
-    """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron runs tensor parallel (`tensor_parallel`), not yet pipeline parallel."""
+    """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron can split the trainer over `tensor_parallel × pipeline_parallel × data_parallel` processes."""
     tensor_parallel: int = Field(1, ge=1)
-    """Tensor-parallel ranks of the Megatron backend: the train role is rank 0 and starts the others as processes on its machine, each with a slice of every layer (so it must divide the key/value heads and the MLP width). 1 = one process. Needs `backend: megatron`."""
+    """Tensor-parallel size of the Megatron backend: each rank holds a slice of every layer (so it must divide the key/value heads and the MLP width). Splits each layer's compute and memory; needs the fastest links (one node). Needs `backend: megatron`."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel size of the Megatron backend: each stage holds consecutive layers (so it must divide the layer count). Splits memory with little communication, at the price of the pipeline bubble: each replica gets at least this many micro-batches per minibatch. Needs `backend: megatron`."""
+    data_parallel: int = Field(1, ge=1)
+    """Data-parallel replicas of the Megatron backend: each takes every k-th micro-batch of a minibatch and gradients are summed, so the update is the same. Splits compute, not memory; each replica gets at least one micro-batch. Needs `backend: megatron`."""
     prompts_per_batch: int = Field(8, ge=1)
     """B: prompt groups per training step."""
     ppo_minibatches: int = Field(1, ge=1)
@@ -261,11 +265,22 @@ class TrainerConfig(_Section):
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimator."""
 
+    @property
+    def world_size(self) -> int:
+        """Trainer processes: the train role is rank 0 and starts the others on its machine."""
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
     @model_validator(mode="after")
     def _parallelism_needs_megatron(self) -> TrainerConfig:
-        if self.tensor_parallel > 1 and self.backend != "megatron":
+        sizes = {
+            "tensor_parallel": self.tensor_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+            "data_parallel": self.data_parallel,
+        }
+        split = [f"{name}={size}" for name, size in sizes.items() if size > 1]
+        if split and self.backend != "megatron":
             raise ValueError(
-                f"tensor_parallel={self.tensor_parallel} needs backend=megatron "
+                f"{' and '.join(split)} {'need' if len(split) > 1 else 'needs'} backend=megatron "
                 f"(the {self.backend} backend trains in one process)"
             )
         return self

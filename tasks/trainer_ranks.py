@@ -1,5 +1,5 @@
-"""How a training process builds its trainer, and the tensor-parallel ranks the train
-role starts on its machine for the Megatron backend.
+"""How a training process builds its trainer, and the ranks the train role starts on its
+machine when the Megatron backend is split over several processes.
 
 The role process is rank 0 (``engines.megatron.lockstep.LockstepTrainer`` leads). Ranks
 1..N-1 are fresh interpreters (spawned: the role process has threads and torch state
@@ -37,8 +37,8 @@ def _free_port() -> int:
 
 
 def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProcess]:
-    """Start ranks 1..N-1 and make this process rank 0 of a group of N (N = tensor_parallel)."""
-    world = config.trainer.tensor_parallel
+    """Start ranks 1..N-1 and make this process rank 0 of a group of N (``trainer.world_size``)."""
+    world = config.trainer.world_size
     port = _free_port()
     # This process is the role and the group's rank 0; its children read the same.
     os.environ.update(
@@ -110,6 +110,11 @@ def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
         from engines.megatron.trainer import MegatronPolicyTrainer
 
         return MegatronPolicyTrainer(
-            *args, device=device, decoupled=t.loss.decoupled, tensor_parallel=t.tensor_parallel
+            *args,
+            device=device,
+            decoupled=t.loss.decoupled,
+            tensor_parallel=t.tensor_parallel,
+            pipeline_parallel=t.pipeline_parallel,
+            data_parallel=t.data_parallel,
         )
     return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled)

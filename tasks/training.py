@@ -23,21 +23,22 @@ from tasks.trainer_ranks import build_rank_trainer, join, start_following_ranks
 def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     """The policy trainer the run config asks for, on the weights in `model_dir`.
 
-    With `trainer.tensor_parallel` > 1 this process becomes rank 0 and starts the other
-    ranks; the trainer returned runs each `train_step` and `save` on all of them, and
-    `close()` releases them.
+    With more than one trainer process (`trainer.world_size`) this process becomes rank
+    0 and starts the other ranks; the trainer returned runs each `train_step` and `save`
+    on all of them, and `close()` releases them.
     """
-    if config.trainer.tensor_parallel == 1:
+    if config.trainer.world_size == 1:
         return build_rank_trainer(config, model_dir)
     from transformers import AutoConfig
 
-    from engines.megatron.convert import check_supported, check_tensor_parallel
+    from engines.megatron import convert
     from engines.megatron.lockstep import LockstepTrainer
 
     # Refuse a policy the ranks cannot split before starting any of them.
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    check_supported(hf_config)
-    check_tensor_parallel(hf_config, config.trainer.tensor_parallel)
+    convert.check_supported(hf_config)
+    convert.check_tensor_parallel(hf_config, config.trainer.tensor_parallel)
+    convert.check_pipeline_parallel(hf_config, config.trainer.pipeline_parallel)
     ranks = start_following_ranks(config, model_dir)
     lead = LockstepTrainer(build_rank_trainer(config, model_dir), on_close=lambda: join(ranks))
     return lead  # type: ignore[return-value]  # a PolicyTrainer by delegation

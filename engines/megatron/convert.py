@@ -286,3 +286,65 @@ def tensor_parallel_merge(
         else:
             out[name] = first
     return out
+
+
+def check_pipeline_parallel(hf_config: Any, size: int) -> None:
+    """Raise ``UnsupportedModelError`` unless the layers split evenly into ``size`` stages."""
+    layers = int(hf_config.num_hidden_layers)
+    if layers % size:
+        raise UnsupportedModelError(
+            f"trainer.pipeline_parallel={size} must divide the policy's "
+            f"num_hidden_layers ({layers})"
+        )
+
+
+def _renumber_layers(mg: dict[str, torch.Tensor], shift: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in mg.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers.") :].split(".", 1)
+            name = f"decoder.layers.{int(index) + shift}.{rest}"
+        out[name] = tensor
+    return out
+
+
+def pipeline_stage(
+    mg: dict[str, torch.Tensor], hf_config: Any, stage: int, stages: int
+) -> dict[str, torch.Tensor]:
+    """Stage ``stage``'s part of a full state dict at pipeline parallel ``stages``.
+
+    A stage holds ``num_hidden_layers / stages`` consecutive layers, numbered from 0 as
+    Megatron numbers a stage's own layers; the first stage adds the embedding, the last
+    the final norm and the output layer. With tied embeddings and more than one stage,
+    the last stage keeps its own copy of the embedding as its output layer (Megatron
+    sums the two copies' gradients, so they stay equal).
+    """
+    check_pipeline_parallel(hf_config, stages)
+    per_stage = int(hf_config.num_hidden_layers) // stages
+    first, last = stage == 0, stage == stages - 1
+    out = {}
+    for name, tensor in _renumber_layers(mg, -stage * per_stage).items():
+        if name.startswith("decoder.layers."):
+            keep = 0 <= int(name.split(".")[2]) < per_stage
+        elif name.startswith("embedding."):
+            keep = first
+        else:  # final_layernorm, output_layer
+            keep = last
+        if keep:
+            out[name] = tensor
+    if last and not first and getattr(hf_config, "tie_word_embeddings", False):
+        out["output_layer.weight"] = mg["embedding.word_embeddings.weight"]
+    return out
+
+
+def pipeline_merge(
+    stages: list[dict[str, torch.Tensor]], hf_config: Any
+) -> dict[str, torch.Tensor]:
+    """The full state dict from every stage's ``pipeline_stage`` (stage order): its inverse."""
+    per_stage = int(hf_config.num_hidden_layers) // len(stages)
+    out: dict[str, torch.Tensor] = {}
+    for stage, weights in enumerate(stages):
+        out.update(_renumber_layers(weights, stage * per_stage))
+    if len(stages) > 1 and getattr(hf_config, "tie_word_embeddings", False):
+        del out["output_layer.weight"]  # the last stage's copy of the embedding
+    return out

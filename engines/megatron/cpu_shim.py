@@ -70,6 +70,7 @@ def cpu_only() -> Iterator[None]:
 
     saved: list[tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", torch.cuda.current_device),
+        (torch.cuda, "synchronize", torch.cuda.synchronize),
         (torch.Tensor, "cuda", torch.Tensor.cuda),
         (
             megatron_optimizer,
@@ -81,12 +82,15 @@ def cpu_only() -> Iterator[None]:
     # 1. Rotary tables, tensor-parallel gathers and attention buffers allocate on
     #    ``torch.cuda.current_device()`` (an int on a GPU, an error without one).
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
-    # 2. The optimizers and grad-norm helpers create their scalars with device="cuda"
+    # 2. Pipeline stages synchronise the device after each send/receive; CPU work is
+    #    already finished when the call returns.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # 3. The optimizers and grad-norm helpers create their scalars with device="cuda"
     #    or ``.cuda()``; without CUDA those can only mean the CPU.
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    # 3. Gradient clipping asserts that every grad is a CUDA tensor before scaling it.
+    # 4. Gradient clipping asserts that every grad is a CUDA tensor before scaling it.
     megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_on_cpu  # type: ignore[assignment]
     try:
         yield

@@ -112,6 +112,13 @@ def _build_gpt_model(hf_config: Any, params_dtype: torch.dtype, device: str) -> 
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
+        # Packed micro-batches differ in token count, so stages send each other the
+        # activation's shape before the activation.
+        pipeline_dtype=params_dtype,
+        variable_seq_lengths=parallel_state.get_pipeline_model_parallel_world_size() > 1,
+        # The dense policies have no experts; the default (allgather) expert dispatcher
+        # merely refuses variable lengths at config time.
+        moe_token_dispatcher_type="alltoall",
         # Initialised before the HF weights overwrite it: the initialisers are also what
         # tags tensor-parallel weights as such (their grads count on every rank).
         perform_initialization=True,
@@ -135,8 +142,13 @@ def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     convert.check_supported(hf_config)
     convert.check_tensor_parallel(hf_config, parallel_state.get_tensor_model_parallel_world_size())
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    convert.check_pipeline_parallel(hf_config, pp_size)
     model = build_gpt_model(hf_config, **kwargs)
     state = convert.hf_to_megatron(read_weight_files(model_dir), hf_config)
+    if pp_size > 1:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        state = convert.pipeline_stage(state, hf_config, pp_rank, pp_size)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if tp_size > 1:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -154,7 +166,9 @@ def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]
 def packed_logits(
     model: GPTModel, packed: PackedBatch, vocab_size: int | None = None
 ) -> torch.Tensor:
-    """Logits ``[total_tokens, vocab_size]`` of a packed row, whole on every rank.
+    """Logits ``[total_tokens, vocab_size]`` of a packed row, whole on every rank of the
+    last pipeline stage; an earlier stage returns its output activations as they are
+    (the pipeline schedule sends them on).
 
     With tensor parallelism each rank computes its slice of the (padded) vocabulary;
     the slices are gathered (the gather's backward hands each rank its slice of the
@@ -172,6 +186,8 @@ def packed_logits(
         logits = model(
             packed.input_ids, packed.position_ids, attention_mask=None, packed_seq_params=params
         )
+        if not parallel_state.is_pipeline_last_stage():
+            return logits
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
     return logits[0, :, :vocab_size]

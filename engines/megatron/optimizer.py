@@ -84,8 +84,35 @@ class MegatronPolicyOptimizer:
 
     def step(
         self, micro_batches: Sequence[PackedBatch], loss_of: MicroBatchLoss
-    ) -> tuple[bool, float, list[dict[str, Any]]]:
-        """One optimizer step over ``micro_batches``: ``(applied, grad norm, metrics per micro-batch)``."""
+    ) -> tuple[bool, float, list[Any]]:
+        """One optimizer step over ``micro_batches``: ``(applied, grad norm, metrics per
+        micro-batch)``; the metrics exist on the last pipeline stage only (elsewhere: [])."""
+        with cpu_shim.cpu_only():
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            metrics = self._schedule(micro_batches, loss_of, forward_only=False)
+            applied, grad_norm, _ = self.optimizer.step()
+        return bool(applied), float(grad_norm or 0.0), metrics
+
+    def forward_only(
+        self, micro_batches: Sequence[PackedBatch], read: Callable[[int, torch.Tensor], Any]
+    ) -> list[Any]:
+        """``[read(i, logits of micro-batch i)]`` through the same schedule, no backward
+        (last pipeline stage only; elsewhere: [])."""
+
+        def loss_of(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+            return logits.new_zeros(()), 0, read(index, logits)
+
+        with cpu_shim.cpu_only():
+            return self._schedule(micro_batches, loss_of, forward_only=True)
+
+    def _schedule(
+        self,
+        micro_batches: Sequence[PackedBatch],
+        loss_of: Callable[[int, torch.Tensor], tuple[torch.Tensor, int, Any]],
+        *,
+        forward_only: bool,
+    ) -> list[Any]:
         batches = iter(enumerate(micro_batches))
 
         def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
@@ -98,17 +125,14 @@ class MegatronPolicyOptimizer:
 
             return logits, loss_func
 
-        with cpu_shim.cpu_only():
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            metrics = get_forward_backward_func()(
+        return list(
+            get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=batches,
                 model=[self.model],
                 num_microbatches=len(micro_batches),
                 seq_length=max(p.total_tokens for p in micro_batches),
                 micro_batch_size=1,
-                forward_only=False,
+                forward_only=forward_only,
             )
-            applied, grad_norm, _ = self.optimizer.step()
-        return bool(applied), float(grad_norm or 0.0), list(metrics)
+        )

@@ -7,8 +7,13 @@ the packed micro-batch), the optimizer step (Megatron's DDP, Adam, gradient clip
 and ``get_forward_backward_func``, see ``engines.megatron.optimizer``) and saving, which
 writes the Hugging Face directory that the inference engine and SGLang load.
 
-Parallel sizes: tensor parallel N runs one of these per rank, in step (see
-``engines.megatron.lockstep``); pipeline parallel is not built yet.
+Parallel sizes: a world of ``tensor_parallel × pipeline_parallel × data_parallel``
+processes runs one of these per rank, every rank making the same calls with the same
+samples (see ``engines.megatron.lockstep``). Under pipeline parallelism only the last
+stage sees logits: log-probs and loss metrics computed there are broadcast to the
+other stages. Data-parallel replicas take every k-th micro-batch of a minibatch (and
+of the π_prox pass) and Megatron sums their gradients and token counts, so the update
+is the whole minibatch's.
 
 Departure from the torch backend: Megatron's Adam applies no weight decay to biases
 and norm weights (the torch backend decays every parameter); the two agree at the
@@ -17,6 +22,9 @@ default ``weight_decay=0``.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,7 @@ from engines.megatron.optimizer import MegatronPolicyOptimizer
 from engines.rollout_correction import RolloutCorrectionFn
 from engines.trainer import (
     OPTIMIZER_FILE,
+    TRAINER_STATE_FILE,
     MicroBatchLossFn,
     PolicyTrainer,
     TrainerSettings,
@@ -38,7 +47,7 @@ from engines.trainer import (
 
 
 class MegatronPolicyTrainer(PolicyTrainer):
-    """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (tensor parallel optional)."""
+    """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (any parallel sizes)."""
 
     backend = "megatron"
 
@@ -53,10 +62,26 @@ class MegatronPolicyTrainer(PolicyTrainer):
         dtype: torch.dtype = torch.float32,
         decoupled: bool = True,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        data_parallel: int = 1,
     ):
-        """As ``PolicyTrainer``; with ``tensor_parallel`` > 1, one process per rank
-        constructs one and every rank calls each method in step, with the same samples."""
-        initialize_parallel(tensor_parallel, 1)
+        """As ``PolicyTrainer``; in a world of more than one process, every rank
+        constructs one and calls each method in step, with the same samples. The world
+        must hold ``tensor × pipeline × data`` processes."""
+        initialize_parallel(tensor_parallel, pipeline_parallel)
+        replicas = parallel_state.get_data_parallel_world_size()
+        if replicas != data_parallel:
+            raise ValueError(
+                f"a world of {torch.distributed.get_world_size()} processes at "
+                f"tensor_parallel={tensor_parallel} and pipeline_parallel={pipeline_parallel} "
+                f"holds {replicas} data-parallel replicas, not data_parallel={data_parallel}"
+            )
+        # Every replica needs a micro-batch, and a pipeline needs as many as it has stages
+        # before its bubble stops dominating.
+        settings = dataclasses.replace(
+            settings,
+            min_micro_batches=max(settings.min_micro_batches, replicas * pipeline_parallel),
+        )
         self.megatron, self.hf_config = load_hf_policy(model_dir, params_dtype=dtype, device=device)
         self.megatron.train()
         self.policy_optimizer = MegatronPolicyOptimizer(
@@ -85,62 +110,123 @@ class MegatronPolicyTrainer(PolicyTrainer):
         return self.policy_optimizer.optimizer
 
     def _optimizer_file(self) -> str:
-        # Each tensor-parallel rank holds the Adam state of its own shard.
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        return OPTIMIZER_FILE if rank == 0 else f"optimizer.tp{rank}.pt"
+        # Each model-parallel rank holds the Adam state of its own shard; data-parallel
+        # replicas hold the same state, and the first one writes it.
+        tp = parallel_state.get_tensor_model_parallel_rank()
+        pp = parallel_state.get_pipeline_model_parallel_rank()
+        return (
+            OPTIMIZER_FILE.removesuffix(".pt")
+            + (f".tp{tp}" if tp else "")
+            + (f".pp{pp}" if pp else "")
+            + ".pt"
+        )
+
+    def _saved_state(self) -> dict[str, Any]:
+        return {**super()._saved_state(), **self._layout()}
+
+    @staticmethod
+    def _layout() -> dict[str, int]:
+        return {
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+        }
 
     def _load_optimizer_state(self, path: Path) -> None:
+        state_file = path.parent / TRAINER_STATE_FILE
+        saved = json.loads(state_file.read_text()) if state_file.exists() else {}
+        written = {key: int(saved.get(key, 1)) for key in self._layout()}
+        if written != self._layout():
+            sizes = ", ".join(f"trainer.{key}={value}" for key, value in written.items())
+            raise ValueError(
+                f"{str(path.parent)!r} holds optimizer shards written at {sizes}; "
+                "resume it with those sizes"
+            )
         state = torch.load(path.parent / self._optimizer_file(), weights_only=False)
         self.policy_optimizer.optimizer.load_state_dict(state)
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise RuntimeError("under pipeline parallelism logits exist on the last stage only")
         return packed_logits(self.megatron, packed, int(self.hf_config.vocab_size))
 
     def _set_training(self, training: bool) -> None:
         self.megatron.train(training)
 
+    def _map_logits(
+        self, micro_batches: list[PackedBatch], read: Callable[[int, torch.Tensor], Any]
+    ) -> list[Any]:
+        mine = _data_parallel_share(len(micro_batches))
+        values = self.policy_optimizer.forward_only(
+            [micro_batches[i] for i in mine], lambda j, logits: read(mine[j], logits)
+        )
+        return _gather_data_parallel(mine, _from_last_stage(values), len(micro_batches))
+
     def _optimizer_step(
         self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
-    ) -> float:
+    ) -> tuple[float, list[dict[str, torch.Tensor]]]:
         # Megatron's per-token mode wants each micro-batch's token *sum* and divides by the
-        # total count itself; the shared loss is normalised by that total, so scale back.
+        # total count itself (over every replica); the shared loss is normalised by that
+        # total, so scale back.
         total = sum(token_counts)
-        _, grad_norm, _ = self.policy_optimizer.step(
-            micro_batches,
-            lambda index, logits: (loss_of(index, logits) * total, token_counts[index], {}),
+        mine = _data_parallel_share(len(micro_batches))
+        # A replica left without a micro-batch still joins the gradient all-reduce: it
+        # runs one with zero weight and counts no tokens.
+        idle = not mine
+        if idle:
+            mine = [0]
+
+        def loss(j: int, logits: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+            value, parts = loss_of(mine[j], logits)
+            if idle:
+                return value * 0.0, 0, None
+            return value * total, token_counts[mine[j]], parts
+
+        _, grad_norm, parts = self.policy_optimizer.step([micro_batches[i] for i in mine], loss)
+        gathered = _gather_data_parallel(
+            [] if idle else mine, [] if idle else _from_last_stage(parts), len(micro_batches)
         )
-        return grad_norm
+        return grad_norm, gathered
 
     def _barrier(self) -> None:
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.barrier(group=parallel_state.get_tensor_model_parallel_group())
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The current weights in Hugging Face names and layout (collective: every
-        tensor-parallel rank must call it; each gets the whole model)."""
+        rank must call it; each gets the whole model)."""
         weights = {
             name: tensor.detach()
             for name, tensor in self.megatron.state_dict().items()
             if not name.endswith("._extra_state")
         }
-        size = parallel_state.get_tensor_model_parallel_world_size()
-        if size > 1:
-            shards: list[Any] = [None] * size
-            torch.distributed.all_gather_object(
-                shards, weights, group=parallel_state.get_tensor_model_parallel_group()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        if tp_size * pp_size > 1:
+            shards: list[Any] = [None] * (tp_size * pp_size)
+            mine = (
+                parallel_state.get_pipeline_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_rank(),
+                weights,
             )
-            weights = convert.tensor_parallel_merge(shards, self.hf_config)
+            torch.distributed.all_gather_object(
+                shards, mine, group=parallel_state.get_model_parallel_group()
+            )
+            by_stage: list[list[dict[str, torch.Tensor]]] = [[{}] * tp_size for _ in range(pp_size)]
+            for pp, tp, shard in shards:
+                by_stage[pp][tp] = shard
+            stages = [convert.tensor_parallel_merge(stage, self.hf_config) for stage in by_stage]
+            weights = convert.pipeline_merge(stages, self.hf_config)
         return convert.megatron_to_hf(weights, self.hf_config)
 
     def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
-        """Every rank writes its optimizer shard; tensor-parallel rank 0 the gathered HF
-        weights, and it returns only once every shard is on disk (its caller uploads the
-        directory). Collective: every rank must call ``save``."""
+        """The first data-parallel replica's ranks write their optimizer shards; global
+        rank 0 the gathered HF weights, and it returns only once every shard is on disk
+        (its caller uploads the directory). Collective: every rank must call ``save``."""
         weights = self.hf_state_dict()
-        if include_optimizer:
+        if include_optimizer and parallel_state.get_data_parallel_rank() == 0:
             torch.save(self.policy_optimizer.optimizer.state_dict(), out / self._optimizer_file())
         self._barrier()
-        if parallel_state.get_tensor_model_parallel_rank() != 0:
+        if torch.distributed.get_rank() != 0:
             return False
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         tied = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
@@ -148,3 +234,42 @@ class MegatronPolicyTrainer(PolicyTrainer):
             raise RuntimeError(f"Megatron -> HF left {missing} missing, {unexpected} unexpected")
         self.model.save_pretrained(out, safe_serialization=True)
         return True
+
+
+def _data_parallel_share(count: int) -> list[int]:
+    """The micro-batch indices this data-parallel replica runs: every k-th, from its rank."""
+    return list(
+        range(
+            parallel_state.get_data_parallel_rank(),
+            count,
+            parallel_state.get_data_parallel_world_size(),
+        )
+    )
+
+
+def _from_last_stage(values: list[Any]) -> list[Any]:
+    """The last pipeline stage's ``values`` on every stage of this rank's pipeline."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    box = [values]
+    torch.distributed.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return list(box[0])
+
+
+def _gather_data_parallel(mine: list[int], values: list[Any], count: int) -> list[Any]:
+    """Every replica's ``values`` (for the micro-batch indices ``mine``) in index order."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return values
+    shares: list[Any] = [None] * parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(
+        shares, list(zip(mine, values, strict=True)), group=parallel_state.get_data_parallel_group()
+    )
+    ordered: list[Any] = [None] * count
+    for share in shares:
+        for index, value in share:
+            ordered[index] = value
+    return ordered

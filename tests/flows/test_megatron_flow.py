@@ -44,21 +44,33 @@ def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, 
     assert len(out[0].output_token_ids) >= 1
 
 
-def test_tensor_parallel_2_run_trains_with_a_following_rank_and_leaves_none(prefect_api, tmp_path):
+@pytest.mark.parametrize(
+    ("size", "shard"),
+    [("tensor_parallel", "optimizer.tp1.pt"), ("pipeline_parallel", "optimizer.pp1.pt")],
+)
+def test_a_two_rank_run_trains_with_a_following_rank_and_leaves_none(
+    size, shard, prefect_api, tmp_path
+):
     from flows.train import train
 
     overrides = tiny_run_overrides(
         tmp_path,
-        **{"trainer.backend": "megatron", "trainer.tensor_parallel": 2, "trainer.total_steps": 2},
+        # Two layers: one per pipeline stage (tensor parallelism splits the two heads).
+        **{
+            "trainer.backend": "megatron",
+            f"trainer.{size}": 2,
+            "trainer.total_steps": 2,
+            "model.tiny.num_layers": 2,
+        },
     )
     config = load_config("default", overrides)
     before = _spawned_children()
-    assert train(config, run_id="tp2")["final_policy_version"] == 2
+    assert train(config, run_id=size)["final_policy_version"] == 2
 
-    registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, "tp2"))
+    registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, size))
     newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
     # Rank 1 kept its own optimizer shard beside rank 0's gathered HF weights.
-    assert (newest / "optimizer.pt").exists() and (newest / "optimizer.tp1.pt").exists()
+    assert (newest / "optimizer.pt").exists() and (newest / shard).exists()
     assert json.loads((newest / "trainer_state.json").read_text())["steps_done"] == 2
     assert _spawned_children() - before == set()
 

@@ -1,16 +1,20 @@
-"""Megatron tensor parallelism on CPU: two gloo ranks on loopback, real processes.
+"""Megatron split over two gloo ranks on loopback, real processes: tensor, pipeline and
+data parallel.
 
-Each rank loads its shard of a Hugging Face policy (whole query groups, half the MLP,
-half the padded vocabulary) and both must produce the HF model's per-token log-probs.
+Each rank loads its part of a Hugging Face policy (whole query groups and half the
+padded vocabulary, or half the layers, or all of it) and every layout must produce the
+HF model's per-token log-probs and train like the torch backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -83,7 +87,15 @@ def test_tensor_parallel_2_log_probs_match_hugging_face(random_model_dir, tmp_pa
         assert report["max_abs_diff"] <= 1e-5
 
 
-def _train_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+def _train_rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    data_parallel: int,
+) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
     os.environ["WORLD_SIZE"] = str(world)
     torch.set_num_threads(1)
@@ -97,20 +109,57 @@ def _train_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         SETTINGS,
         make_policy_loss(),
         make_rollout_correction(mode="token_tis"),
-        tensor_parallel=world,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        data_parallel=data_parallel,
     )
+    logprobs = trainer.response_logprobs(_samples(0))
     metrics = [trainer.train_step(_samples(step)) for step in range(3)]
     weights = trainer.hf_state_dict()
     saved = trainer.save(Path(out_dir) / "v3")
-    if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights}, Path(out_dir) / "rank0.pt")
-    assert (saved / ("optimizer.pt" if rank == 0 else f"optimizer.tp{rank}.pt")).exists()
+    from megatron.core import parallel_state
+
+    layout = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+        len(trainer.megatron.decoder.layers),
+    )
+    torch.save(
+        {
+            "logprobs": logprobs,
+            "metrics": metrics,
+            "weights": weights,
+            "files": os.listdir(saved),
+            "layout": layout,
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
     torch.distributed.destroy_process_group()
 
 
-def test_tensor_parallel_2_trains_like_the_torch_backend(tmp_path: Path) -> None:
-    """Three PPO steps at TP=2 (the shipped policy: 4 heads, vocabulary 101 padded to
-    102) against the torch backend in this process: the same metrics, weights within 1e-5."""
+# (tensor, pipeline, data) sizes of a world of two.
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+# What each rank then holds: (tensor, pipeline, data) sizes and its share of the 4 layers.
+HELD = {"tp2": (2, 1, 1, 4), "pp2": (1, 2, 1, 2), "dp2": (1, 1, 2, 4)}
+OPTIMIZER_FILES = {
+    "tp2": {"optimizer.pt", "optimizer.tp1.pt"},
+    "pp2": {"optimizer.pt", "optimizer.pp1.pt"},
+    "dp2": {"optimizer.pt"},  # the replicas' Adam states are the same: written once
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_rank_layouts_train_like_the_torch_backend(layout: str, tmp_path: Path) -> None:
+    """Per-token log-probs, then three PPO steps (two minibatches, several micro-batches
+    each, token TIS) on the shipped policy (4 layers, 4 heads, tied embeddings,
+    vocabulary 101), split two ways, against the torch backend in this process: every
+    rank reads the same log-probs and metrics as torch and holds the same weights; the
+    published directory is the gathered model.
+
+    Tolerances: log-probs within 1e-5 absolute or 2e-6 relative (split matmuls sum the
+    same products in another order; the worst seen is 1.1e-5 on a log-prob of -7.6),
+    metrics within 1e-4 relative, weights within 1e-5 absolute."""
     from engines.inference.weights import read_weight_files
     from engines.loss import make_policy_loss
     from engines.rollout_correction import make_rollout_correction
@@ -119,24 +168,39 @@ def test_tensor_parallel_2_trains_like_the_torch_backend(tmp_path: Path) -> None
 
     mp.start_processes(
         _train_rank_main,
-        args=(2, _free_port(), str(tmp_path)),
+        args=(2, _free_port(), str(tmp_path), *LAYOUTS[layout]),
         nprocs=2,
         join=True,
         start_method="spawn",
     )
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    # The Megatron trainer gives each pipeline of each replica at least as many
+    # micro-batches as it has stages; the reference packs the same way.
+    _, pipeline_parallel, data_parallel = LAYOUTS[layout]
+    settings = dataclasses.replace(SETTINGS, min_micro_batches=pipeline_parallel * data_parallel)
     reference = PolicyTrainer(
-        SHIPPED, SETTINGS, make_policy_loss(), make_rollout_correction(mode="token_tis")
+        SHIPPED, settings, make_policy_loss(), make_rollout_correction(mode="token_tis")
     )
-    for step in range(3):
-        theirs = reference.train_step(_samples(step))
-        ours = result["metrics"][step]
-        for key in ("loss/policy_loss", "train/grad_norm", "mismatch/kl_k3"):
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), (step, key)
-    for name, param in reference.model.named_parameters():
-        if name in result["weights"]:
-            torch.testing.assert_close(result["weights"][name], param.detach(), rtol=0, atol=1e-5)
-    # The published directory is the gathered model, loadable as plain HF weights.
+    expected_logprobs = reference.response_logprobs(_samples(0))
+    expected_metrics = [reference.train_step(_samples(step)) for step in range(3)]
+    expected_weights = dict(reference.model.named_parameters())
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["layout"] == HELD[layout]
+        for ours, theirs in zip(result["logprobs"], expected_logprobs, strict=True):
+            np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-5)
+        for step, (ours, theirs) in enumerate(
+            zip(result["metrics"], expected_metrics, strict=True)
+        ):
+            assert ours["train/micro_batches"] == theirs["train/micro_batches"] > 2
+            for key in ("loss/policy_loss", "train/grad_norm", "mismatch/kl_k3", "policy/entropy"):
+                expected = pytest.approx(theirs[key], rel=1e-4, abs=1e-7)
+                assert ours[key] == expected, f"rank {rank}, step {step}: {key}"
+        assert set(result["weights"]) == set(expected_weights) - {"lm_head.weight"}
+        for name, tensor in result["weights"].items():
+            torch.testing.assert_close(tensor, expected_weights[name].detach(), rtol=0, atol=1e-5)
+        written = {name for name in result["files"] if name.startswith("optimizer")}
+        assert written == OPTIMIZER_FILES[layout]
     on_disk = read_weight_files(tmp_path / "v3")
-    for name, tensor in result["weights"].items():
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    for name, tensor in rank0["weights"].items():
         assert torch.equal(on_disk[name], tensor), name

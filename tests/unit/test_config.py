@@ -51,6 +51,11 @@ def test_override_sets_nested_values_with_yaml_types():
         (["x"], "--set expects key=value, got 'x'"),
         (["=3"], "--set expects key=value"),
         (["seed.deep=1"], "'seed' is a value, not a section"),
+        (["trainer.tensor_parallel=2"], "tensor_parallel=2 needs backend=megatron"),
+        (
+            ["trainer.pipeline_parallel=2", "trainer.data_parallel=2"],
+            "pipeline_parallel=2 and data_parallel=2 need backend=megatron",
+        ),
     ],
 )
 def test_bad_override_gives_one_clear_line(overrides, expected):

@@ -240,3 +240,34 @@ def test_tensor_parallel_shards_merge_back_bit_exact(policy_dir: Path) -> None:
         match=r"tensor_parallel=3 must divide the policy's num_attention_heads \(4\)",
     ):
         convert.check_tensor_parallel(hf_config, 3)
+
+
+def test_pipeline_stages_merge_back_bit_exact(policy_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(policy_dir)  # two layers: one per stage
+    full = convert.hf_to_megatron(read_weight_files(policy_dir), hf_config)
+    first, last = (convert.pipeline_stage(full, hf_config, s, 2) for s in range(2))
+    # Each stage numbers its own layers from 0; only the first embeds, only the last
+    # normalises and projects (with its own copy of a tied embedding).
+    assert {n.split(".")[2] for n in first if n.startswith("decoder.layers.")} == {"0"}
+    assert torch.equal(
+        last["decoder.layers.0.mlp.linear_fc2.weight"],
+        full["decoder.layers.1.mlp.linear_fc2.weight"],
+    )
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+    assert (
+        "decoder.final_layernorm.weight" in last and "embedding.word_embeddings.weight" not in last
+    )
+    if hf_config.tie_word_embeddings:
+        assert torch.equal(last["output_layer.weight"], full["embedding.word_embeddings.weight"])
+    merged = convert.pipeline_merge([first, last], hf_config)
+    assert set(merged) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(merged[name], tensor), name
+
+    with pytest.raises(
+        convert.UnsupportedModelError,
+        match=r"pipeline_parallel=3 must divide the policy's num_hidden_layers \(2\)",
+    ):
+        convert.check_pipeline_parallel(hf_config, 3)

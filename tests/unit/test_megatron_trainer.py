@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +94,23 @@ def test_a_version_resumes_only_under_the_backend_that_wrote_its_optimizer(
         _trainer(PolicyTrainer, written_by_megatron)
     with pytest.raises(ValueError, match="resume it with trainer.backend=torch"):
         _trainer(MegatronPolicyTrainer, written_by_torch)
+
+
+def test_a_version_resumes_only_at_the_parallel_sizes_that_wrote_its_optimizer(
+    tmp_path: Path,
+) -> None:
+    saved = _trainer(MegatronPolicyTrainer).save(tmp_path / "v0")
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert (state["tensor_parallel"], state["pipeline_parallel"]) == (1, 1)
+    # As a version written by two pipeline stages records itself:
+    state["pipeline_parallel"] = 2
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(
+        ValueError, match="trainer.tensor_parallel=1, trainer.pipeline_parallel=2; resume it"
+    ):
+        _trainer(MegatronPolicyTrainer, saved)
+
+
+def test_a_world_too_small_for_the_data_parallel_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds 1 data-parallel replicas, not data_parallel=2"):
+        MegatronPolicyTrainer(SHIPPED, SETTINGS, make_policy_loss(), None, data_parallel=2)
