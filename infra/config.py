@@ -234,6 +234,10 @@ class TrainerConfig(_Section):
     """Pipeline-parallel size of the Megatron backend: each stage holds consecutive layers (so it must divide the layer count). Splits memory with little communication, at the price of the pipeline bubble: each replica gets at least this many micro-batches per minibatch. Needs `backend: megatron`."""
     data_parallel: int = Field(1, ge=1)
     """Data-parallel replicas of the Megatron backend: each takes every k-th micro-batch of a minibatch and gradients are summed, so the update is the same. Splits compute, not memory; each replica gets at least one micro-batch. Needs `backend: megatron`."""
+    distributed_optimizer: bool = False
+    """Megatron backend: shard the fp32 main weights and Adam state across the `data_parallel` replicas (Megatron's distributed optimizer, ZeRO-1): optimizer memory per replica falls about `data_parallel`-fold, at a reduce-scatter and an all-gather per step instead of one all-reduce. No effect on the update."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training precision. `bfloat16` (Megatron backend): the model, activations and gradients in bf16, with fp32 main weights and Adam state in Megatron's mixed-precision optimizer. Versions are still published as float32 HF directories (the bf16 weights and float32 norms, exactly); the inference engine casts them to `rollout.dtype`. The torch backend trains in float32."""
     prompts_per_batch: int = Field(8, ge=1)
     """B: prompt groups per training step."""
     ppo_minibatches: int = Field(1, ge=1)
@@ -271,17 +275,19 @@ class TrainerConfig(_Section):
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
     @model_validator(mode="after")
-    def _parallelism_needs_megatron(self) -> TrainerConfig:
+    def _megatron_only_settings(self) -> TrainerConfig:
         sizes = {
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "data_parallel": self.data_parallel,
         }
-        split = [f"{name}={size}" for name, size in sizes.items() if size > 1]
-        if split and self.backend != "megatron":
+        asked = [f"{name}={size}" for name, size in sizes.items() if size > 1]
+        asked += ["distributed_optimizer=true"] if self.distributed_optimizer else []
+        asked += [f"dtype={self.dtype}"] if self.dtype != "float32" else []
+        if asked and self.backend != "megatron":
             raise ValueError(
-                f"{' and '.join(split)} {'need' if len(split) > 1 else 'needs'} backend=megatron "
-                f"(the {self.backend} backend trains in one process)"
+                f"{' and '.join(asked)} {'need' if len(asked) > 1 else 'needs'} backend=megatron "
+                f"(the {self.backend} backend trains in float32, in one process)"
             )
         return self
 

@@ -96,7 +96,7 @@ def trainer_settings(config: RunConfig) -> TrainerSettings:
 
 
 def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
-    """This process's trainer (one rank's, under tensor parallelism)."""
+    """This process's trainer (one rank's, when the trainer is split over processes)."""
     t = config.trainer
     correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
     device = resolve_device(config.device)
@@ -116,5 +116,7 @@ def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
             tensor_parallel=t.tensor_parallel,
             pipeline_parallel=t.pipeline_parallel,
             data_parallel=t.data_parallel,
+            distributed_optimizer=t.distributed_optimizer,
+            dtype=getattr(torch, t.dtype),
         )
     return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled)

@@ -46,17 +46,14 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return make
 
 
-def _clip_grads_on_cpu(
-    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
-) -> None:
-    """``clip_grad_by_total_norm_fp32`` in plain torch: the same ``grad *= coeff``."""
-    coeff = max_norm / (total_norm + 1.0e-6)
-    if coeff >= 1.0:
-        return
-    for param in parameters:
-        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
-        if grad is not None:
-            grad.mul_(coeff)
+_tensor_type = torch.Tensor.type
+
+
+def _type_as_on_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    name = _tensor_type(self, *args, **kwargs)
+    if args or kwargs or self.device.type != "cpu":
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
 
 
 @contextlib.contextmanager
@@ -66,17 +63,11 @@ def cpu_only() -> Iterator[None]:
         yield
         return
     install()
-    import megatron.core.optimizer.optimizer as megatron_optimizer
-
     saved: list[tuple[Any, str, Any]] = [
         (torch.cuda, "current_device", torch.cuda.current_device),
         (torch.cuda, "synchronize", torch.cuda.synchronize),
         (torch.Tensor, "cuda", torch.Tensor.cuda),
-        (
-            megatron_optimizer,
-            "clip_grad_by_total_norm_fp32",
-            megatron_optimizer.clip_grad_by_total_norm_fp32,
-        ),
+        (torch.Tensor, "type", torch.Tensor.type),
         *[(torch, name, getattr(torch, name)) for name in _FACTORIES],
     ]
     # 1. Rotary tables, tensor-parallel gathers and attention buffers allocate on
@@ -90,8 +81,10 @@ def cpu_only() -> Iterator[None]:
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    # 4. Gradient clipping asserts that every grad is a CUDA tensor before scaling it.
-    megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_on_cpu  # type: ignore[assignment]
+    # 4. The mixed-precision optimizer and gradient clipping tell bf16/fp16 parameters
+    #    from fp32 ones by type name, accepting only CUDA names: a CPU tensor reports the
+    #    CUDA name of its dtype (``type(dtype)`` conversions are untouched).
+    torch.Tensor.type = _type_as_on_cuda  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:

@@ -1,7 +1,8 @@
-"""Driving a tensor-parallel trainer from one place: rank 0 leads, the other ranks follow.
+"""Driving a trainer split over processes from one place: rank 0 leads, the others follow.
 
-Under tensor parallelism every rank must make the same calls with the same samples
-(each holds a slice of every layer). Sluice's train role is rank 0: it reads the
+However the trainer is split (tensor, pipeline or data parallel), every rank must make
+the same calls with the same samples: each holds part of the model or part of the
+micro-batches, and every call is collective. Sluice's train role is rank 0: it reads the
 streams, builds each batch and publishes versions. ``LockstepTrainer`` wraps its
 trainer so that every collective call is first broadcast to the other ranks, which
 run ``follow`` and repeat it; the role's code does not change.

@@ -84,6 +84,11 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) ->
             torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
         else:  # MASTER_ADDR, MASTER_PORT and RANK come from the launcher
             rank = int(os.environ["RANK"])
+            if torch.cuda.is_available():
+                # One GPU per rank: rank r of a machine takes its GPU r, so tensor-parallel
+                # ranks (adjacent in Megatron's order) share a node's fastest links.
+                local = int(os.environ.get("LOCAL_RANK", rank))
+                torch.cuda.set_device(local % torch.cuda.device_count())
             torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     if parallel_state.model_parallel_is_initialized():
         if (

@@ -14,16 +14,21 @@ gradients by the total count across micro-batches and data-parallel ranks once, 
 (its numerator) and Megatron supplies the denominator: the same gradient, and with
 data parallelism the count spans every rank's micro-batches.
 
-On a CPU the distributed optimizer is unavailable (it type-checks for CUDA tensors),
-so ``use_distributed_optimizer`` is honoured only with a GPU.
+Mixed precision: with a bf16 model, Megatron's optimizer keeps fp32 main weights and
+Adam state and copies the updated weights back to the model in bf16. The distributed
+optimizer (``use_distributed_optimizer``, ZeRO-1) shards those fp32 weights and Adam
+state across data-parallel replicas; ``save`` and ``load`` gather and scatter them.
+Both run on a CPU under gloo as on a GPU (see ``engines.megatron.cpu_shim``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -51,11 +56,11 @@ class MegatronPolicyOptimizer:
         weight_decay: float,
         grad_clip: float,
         vocab_size: int | None = None,
-        use_distributed_optimizer: bool = True,
+        use_distributed_optimizer: bool = False,
     ) -> None:
         """``vocab_size``: the policy's real vocabulary (logits past it are padding)."""
         self.vocab_size = vocab_size
-        distributed = use_distributed_optimizer and torch.cuda.is_available()
+        self.distributed = distributed = use_distributed_optimizer
         model.config.calculate_per_token_loss = True
         model.config.finalize_model_grads_func = finalize_model_grads
         with cpu_shim.cpu_only():
@@ -81,6 +86,38 @@ class MegatronPolicyOptimizer:
                 ),
                 [self.model],
             )
+
+    def save(self, path: Path) -> None:
+        """Write the optimizer state to ``path`` (the distributed optimizer's sharded
+        weights and Adam state, gathered, beside it). Collective over data-parallel
+        replicas; the first writes."""
+        state = self.optimizer.state_dict()
+        if self.distributed:
+            with cpu_shim.cpu_only():
+                self.optimizer.save_parameter_state(str(_sharded_state_path(path)))
+        if parallel_state.get_data_parallel_rank() == 0:
+            torch.save(state, path)
+
+    def load(self, path: Path) -> None:
+        """Restore what ``save`` wrote (collective over data-parallel replicas)."""
+        with cpu_shim.cpu_only(), torch.no_grad():
+            self.optimizer.load_state_dict(torch.load(path, weights_only=False))
+            if not self.distributed:
+                return
+            # ``load_state_dict`` has restored torch Adam's per-parameter ``step``; the
+            # gathered parameter state holds only the weights and moments, and Megatron
+            # (without Apex or Transformer Engine's Adam) would look for ``step`` in it.
+            # Each parameter also gets its own ``step`` back: Megatron's load hands them
+            # one shared tensor, which torch's Adam would advance once per parameter.
+            adams = [o.optimizer for o in self.optimizer.chained_optimizers]
+            steps = [
+                {param: state.pop("step") for param, state in adam.state.items() if "step" in state}
+                for adam in adams
+            ]
+            self.optimizer.load_parameter_state(str(_sharded_state_path(path)))
+            for adam, restored in zip(adams, steps, strict=True):
+                for param, step in restored.items():
+                    adam.state[param]["step"] = step.clone()
 
     def step(
         self, micro_batches: Sequence[PackedBatch], loss_of: MicroBatchLoss
@@ -136,3 +173,7 @@ class MegatronPolicyOptimizer:
                 forward_only=forward_only,
             )
         )
+
+
+def _sharded_state_path(path: Path) -> Path:
+    return path.with_suffix(".sharded.pt")

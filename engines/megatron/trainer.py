@@ -64,6 +64,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         data_parallel: int = 1,
+        distributed_optimizer: bool = False,
     ):
         """As ``PolicyTrainer``; in a world of more than one process, every rank
         constructs one and calls each method in step, with the same samples. The world
@@ -92,6 +93,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
             weight_decay=settings.weight_decay,
             grad_clip=settings.grad_clip,
             vocab_size=int(self.hf_config.vocab_size),
+            use_distributed_optimizer=distributed_optimizer,
         )
         super().__init__(
             model_dir,
@@ -99,7 +101,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
             loss_fn,
             correction_fn,
             device=device,
-            dtype=dtype,
+            # The published directory is float32 whatever the training precision: a
+            # bf16 model keeps its norms in float32, and a resumed run must read back
+            # exactly the weights it wrote.
+            dtype=torch.float32,
             decoupled=decoupled,
         )
 
@@ -110,8 +115,8 @@ class MegatronPolicyTrainer(PolicyTrainer):
         return self.policy_optimizer.optimizer
 
     def _optimizer_file(self) -> str:
-        # Each model-parallel rank holds the Adam state of its own shard; data-parallel
-        # replicas hold the same state, and the first one writes it.
+        # Each model-parallel rank holds the Adam state of its own shard; the first
+        # data-parallel replica writes it (gathered, with the distributed optimizer).
         tp = parallel_state.get_tensor_model_parallel_rank()
         pp = parallel_state.get_pipeline_model_parallel_rank()
         return (
@@ -124,25 +129,29 @@ class MegatronPolicyTrainer(PolicyTrainer):
     def _saved_state(self) -> dict[str, Any]:
         return {**super()._saved_state(), **self._layout()}
 
-    @staticmethod
-    def _layout() -> dict[str, int]:
-        return {
+    def _layout(self) -> dict[str, int | bool]:
+        """How the optimizer state is split: what a resumed trainer must match."""
+        layout: dict[str, int | bool] = {
             "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+            "distributed_optimizer": self.policy_optimizer.distributed,
         }
+        if self.policy_optimizer.distributed:  # sharded across replicas too
+            layout["data_parallel"] = parallel_state.get_data_parallel_world_size()
+        return layout
 
     def _load_optimizer_state(self, path: Path) -> None:
         state_file = path.parent / TRAINER_STATE_FILE
         saved = json.loads(state_file.read_text()) if state_file.exists() else {}
-        written = {key: int(saved.get(key, 1)) for key in self._layout()}
+        defaults = {"distributed_optimizer": False}
+        written = {key: saved.get(key, defaults.get(key, 1)) for key in self._layout()}
         if written != self._layout():
             sizes = ", ".join(f"trainer.{key}={value}" for key, value in written.items())
             raise ValueError(
-                f"{str(path.parent)!r} holds optimizer shards written at {sizes}; "
-                "resume it with those sizes"
+                f"{str(path.parent)!r} holds optimizer state written with {sizes}; "
+                "resume it with those settings"
             )
-        state = torch.load(path.parent / self._optimizer_file(), weights_only=False)
-        self.policy_optimizer.optimizer.load_state_dict(state)
+        self.policy_optimizer.load(path.parent / self._optimizer_file())
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -192,10 +201,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
             torch.distributed.barrier()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights in Hugging Face names and layout (collective: every
-        rank must call it; each gets the whole model)."""
+        """A copy of the current weights in Hugging Face names and layout (collective:
+        every rank must call it; each gets the whole model)."""
         weights = {
-            name: tensor.detach()
+            name: tensor.detach().clone()
             for name, tensor in self.megatron.state_dict().items()
             if not name.endswith("._extra_state")
         }
@@ -219,12 +228,12 @@ class MegatronPolicyTrainer(PolicyTrainer):
         return convert.megatron_to_hf(weights, self.hf_config)
 
     def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
-        """The first data-parallel replica's ranks write their optimizer shards; global
+        """The first data-parallel replica's ranks write their optimizer state; global
         rank 0 the gathered HF weights, and it returns only once every shard is on disk
         (its caller uploads the directory). Collective: every rank must call ``save``."""
         weights = self.hf_state_dict()
-        if include_optimizer and parallel_state.get_data_parallel_rank() == 0:
-            torch.save(self.policy_optimizer.optimizer.state_dict(), out / self._optimizer_file())
+        if include_optimizer:
+            self.policy_optimizer.save(out / self._optimizer_file())
         self._barrier()
         if torch.distributed.get_rank() != 0:
             return False

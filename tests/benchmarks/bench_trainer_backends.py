@@ -7,7 +7,12 @@ prompts), with the default recipe's trainer settings (2 PPO minibatches, token-l
 TIS). Steps alternate between the backends so the load of a shared machine hits both
 alike; the first step of each is a warm-up and is not timed.
 
-    python tests/benchmarks/bench_trainer_backends.py [--steps 6 --threads 1]
+Then each two-process Megatron layout in ``--layouts`` (tensor, pipeline or data
+parallel 2, gloo on loopback, one thread per rank) trains the same batches, one layout
+after the other (they cannot interleave with the in-process pair), and is reported
+against the torch backend's one-process rate from the first phase.
+
+    python tests/benchmarks/bench_trainer_backends.py [--steps 6 --threads 1 --layouts tp2 pp2 dp2]
 """
 
 from __future__ import annotations
@@ -42,6 +47,69 @@ def batch(rng: np.random.Generator, n: int, median: int, longest: int) -> list[T
     ]
 
 
+# (tensor, pipeline, data) sizes of each two-process layout.
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+
+
+def layout_rank(rank: int, layout: str, port: int, args: argparse.Namespace, out: str) -> None:
+    """One rank of a two-process layout; rank 0 writes ``(tokens, seconds)`` to ``out``."""
+    import os
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2"})
+    torch.set_num_threads(1)
+    from engines.megatron.trainer import MegatronPolicyTrainer
+
+    tp, pp, dp = LAYOUTS[layout]
+    trainer = MegatronPolicyTrainer(
+        args.model_dir,
+        SETTINGS,
+        make_policy_loss(),
+        make_rollout_correction(mode="token_tis"),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=dp,
+    )
+    tokens = seconds = 0.0
+    for step, samples in enumerate(batches(args)):
+        torch.distributed.barrier()
+        started = time.perf_counter()
+        metrics = trainer.train_step(samples)
+        if step:
+            seconds += time.perf_counter() - started
+            tokens += metrics["train/trained_tokens"]
+    if rank == 0:
+        Path(out).write_text(f"{tokens} {seconds}")
+    torch.distributed.destroy_process_group()
+
+
+def run_layout(layout: str, args: argparse.Namespace) -> tuple[float, float]:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result")
+        mp.start_processes(
+            layout_rank, args=(layout, port, args, out), nprocs=2, start_method="spawn"
+        )
+        tokens, seconds = map(float, Path(out).read_text().split())
+    return tokens, seconds
+
+
+SETTINGS = TrainerSettings(ppo_minibatches=2, lr=1e-4, max_tokens_per_micro_batch=8192)
+
+
+def batches(args: argparse.Namespace) -> list[list[TrainingSample]]:
+    rng = np.random.default_rng(0)
+    return [batch(rng, args.samples, args.median_len, args.max_len) for _ in range(args.steps + 1)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=SHIPPED)
@@ -50,28 +118,24 @@ def main() -> None:
     parser.add_argument("--median-len", type=int, default=40)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=list(LAYOUTS))
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron-core without TE/Apex
     from engines.megatron.trainer import MegatronPolicyTrainer
 
     torch.set_num_threads(args.threads)
-    settings = TrainerSettings(ppo_minibatches=2, lr=1e-4, max_tokens_per_micro_batch=8192)
     trainers = {
         name: cls(
             args.model_dir,
-            settings,
+            SETTINGS,
             make_policy_loss(),
             make_rollout_correction(mode="token_tis"),
         )
         for name, cls in (("torch", PolicyTrainer), ("megatron", MegatronPolicyTrainer))
     }
-    rng = np.random.default_rng(0)
-    batches = [
-        batch(rng, args.samples, args.median_len, args.max_len) for _ in range(args.steps + 1)
-    ]
     tokens = dict.fromkeys(trainers, 0.0)
     seconds = dict.fromkeys(trainers, 0.0)
-    for step, samples in enumerate(batches):
+    for step, samples in enumerate(batches(args)):
         for name, trainer in trainers.items():
             started = time.perf_counter()
             metrics = trainer.train_step(samples)
@@ -83,14 +147,20 @@ def main() -> None:
         f"model {args.model_dir.name}; {args.steps} timed steps of {args.samples} samples "
         f"(median response {args.median_len}, max {args.max_len}), steps interleaved"
     )
-    print("| backend | trained tokens/s | seconds per step |")
-    print("|---|---|---|")
-    for name in trainers:
+    del trainers  # their memory is freed before the layouts' processes start
+    for layout in args.layouts:
+        name = f"megatron {layout}"
+        tokens[name], seconds[name] = run_layout(layout, args)
+    torch_rate = tokens["torch"] / seconds["torch"]
+    print("| backend | processes | trained tokens/s | seconds per step | vs torch |")
+    print("|---|---|---|---|---|")
+    for name in tokens:
+        rate = tokens[name] / seconds[name]
+        processes = 2 if name.startswith("megatron ") else 1
         print(
-            f"| {name} | {tokens[name] / seconds[name]:,.0f} | {seconds[name] / args.steps:.2f} |"
+            f"| {name} | {processes} | {rate:,.0f} | {seconds[name] / args.steps:.2f} "
+            f"| {rate / torch_rate:.2f}x |"
         )
-    ratio = (tokens["megatron"] / seconds["megatron"]) / (tokens["torch"] / seconds["torch"])
-    print(f"megatron / torch: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ def _train_rank_main(
     tensor_parallel: int,
     pipeline_parallel: int,
     data_parallel: int,
+    distributed_optimizer: bool,
 ) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
     os.environ["WORLD_SIZE"] = str(world)
@@ -104,19 +105,34 @@ def _train_rank_main(
     from engines.rollout_correction import make_rollout_correction
     from tests.unit.test_megatron_trainer import SETTINGS, SHIPPED, _samples
 
-    trainer = MegatronPolicyTrainer(
-        SHIPPED,
-        SETTINGS,
-        make_policy_loss(),
-        make_rollout_correction(mode="token_tis"),
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-        data_parallel=data_parallel,
-    )
+    def make(model_dir: Path) -> MegatronPolicyTrainer:
+        return MegatronPolicyTrainer(
+            model_dir,
+            SETTINGS,
+            make_policy_loss(),
+            make_rollout_correction(mode="token_tis"),
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            data_parallel=data_parallel,
+            distributed_optimizer=distributed_optimizer,
+        )
+
+    trainer = make(SHIPPED)
     logprobs = trainer.response_logprobs(_samples(0))
     metrics = [trainer.train_step(_samples(step)) for step in range(3)]
     weights = trainer.hf_state_dict()
     saved = trainer.save(Path(out_dir) / "v3")
+    torch.distributed.barrier()  # rank 0 writes the HF files after the others return
+    # A trainer resumed from the version takes the next step as the one that wrote it.
+    resumed = make(saved)
+    resumed_loss = resumed.train_step(_samples(3))["loss/policy_loss"]
+    continued_loss = trainer.train_step(_samples(3))["loss/policy_loss"]
+    resumed_gap = max(
+        float((a - b).abs().max())
+        for a, b in zip(
+            resumed.hf_state_dict().values(), trainer.hf_state_dict().values(), strict=True
+        )
+    )
     from megatron.core import parallel_state
 
     layout = (
@@ -124,6 +140,7 @@ def _train_rank_main(
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(),
         len(trainer.megatron.decoder.layers),
+        type(trainer.policy_optimizer.optimizer.chained_optimizers[0]).__name__,
     )
     torch.save(
         {
@@ -132,20 +149,33 @@ def _train_rank_main(
             "weights": weights,
             "files": os.listdir(saved),
             "layout": layout,
+            "resumed": (resumed_loss, continued_loss, resumed_gap),
         },
         Path(out_dir) / f"rank{rank}.pt",
     )
     torch.distributed.destroy_process_group()
 
 
-# (tensor, pipeline, data) sizes of a world of two.
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
-# What each rank then holds: (tensor, pipeline, data) sizes and its share of the 4 layers.
-HELD = {"tp2": (2, 1, 1, 4), "pp2": (1, 2, 1, 2), "dp2": (1, 1, 2, 4)}
+# (tensor, pipeline, data) sizes of a world of two, and the distributed optimizer.
+LAYOUTS = {
+    "tp2": (2, 1, 1, False),
+    "pp2": (1, 2, 1, False),
+    "dp2": (1, 1, 2, False),
+    "dp2-zero1": (1, 1, 2, True),
+}
+# What each rank then holds: (tensor, pipeline, data) sizes, its share of the 4 layers
+# and its optimizer.
+HELD = {
+    "tp2": (2, 1, 1, 4, "FP32Optimizer"),
+    "pp2": (1, 2, 1, 2, "FP32Optimizer"),
+    "dp2": (1, 1, 2, 4, "FP32Optimizer"),
+    "dp2-zero1": (1, 1, 2, 4, "DistributedOptimizer"),
+}
 OPTIMIZER_FILES = {
     "tp2": {"optimizer.pt", "optimizer.tp1.pt"},
     "pp2": {"optimizer.pt", "optimizer.pp1.pt"},
     "dp2": {"optimizer.pt"},  # the replicas' Adam states are the same: written once
+    "dp2-zero1": {"optimizer.pt", "optimizer.sharded.pt"},  # both halves, gathered
 }
 
 
@@ -175,7 +205,7 @@ def test_two_rank_layouts_train_like_the_torch_backend(layout: str, tmp_path: Pa
     )
     # The Megatron trainer gives each pipeline of each replica at least as many
     # micro-batches as it has stages; the reference packs the same way.
-    _, pipeline_parallel, data_parallel = LAYOUTS[layout]
+    _, pipeline_parallel, data_parallel, _ = LAYOUTS[layout]
     settings = dataclasses.replace(SETTINGS, min_micro_batches=pipeline_parallel * data_parallel)
     reference = PolicyTrainer(
         SHIPPED, settings, make_policy_loss(), make_rollout_correction(mode="token_tis")
@@ -186,6 +216,9 @@ def test_two_rank_layouts_train_like_the_torch_backend(layout: str, tmp_path: Pa
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert result["layout"] == HELD[layout]
+        resumed_loss, continued_loss, resumed_gap = result["resumed"]
+        assert resumed_loss == pytest.approx(continued_loss, rel=1e-6)
+        assert resumed_gap <= 1e-6
         for ours, theirs in zip(result["logprobs"], expected_logprobs, strict=True):
             np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-5)
         for step, (ours, theirs) in enumerate(

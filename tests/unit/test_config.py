@@ -56,6 +56,7 @@ def test_override_sets_nested_values_with_yaml_types():
             ["trainer.pipeline_parallel=2", "trainer.data_parallel=2"],
             "pipeline_parallel=2 and data_parallel=2 need backend=megatron",
         ),
+        (["trainer.dtype=bfloat16"], "dtype=bfloat16 needs backend=megatron"),
     ],
 )
 def test_bad_override_gives_one_clear_line(overrides, expected):

@@ -209,11 +209,24 @@ def test_megatron_optimizer_and_schedule_train_like_torch_adamw(policy_dir: Path
 def test_the_cpu_shim_patches_torch_only_inside_its_block() -> None:
     from engines.megatron import cpu_shim
 
-    before = (torch.zeros, torch.tensor, torch.Tensor.cuda, torch.cuda.current_device)
+    def patched() -> tuple:
+        return (
+            torch.zeros,
+            torch.tensor,
+            torch.Tensor.cuda,
+            torch.Tensor.type,
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+        )
+
+    before = patched()
     with cpu_shim.cpu_only():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.cuda.current_device() == "cpu"
-    assert (torch.zeros, torch.tensor, torch.Tensor.cuda, torch.cuda.current_device) == before
+        assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.ones(2).type(torch.int64).dtype == torch.int64
+    assert patched() == before
+    assert torch.ones(2).type() == "torch.FloatTensor"
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA: asking for it still fails
         torch.zeros(2, device="cuda")
 
