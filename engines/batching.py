@@ -32,6 +32,7 @@ micro-batches are made.
 from __future__ import annotations
 
 import bisect
+import heapq
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,11 +65,18 @@ def dynamic_micro_batches(
 ) -> list[list[int]]:
     """AReaL Algorithm 1: best-fit-decreasing split of sequences under a token budget.
 
+    Departure: when the budget alone needs fewer than ``min_micro_batches``, the
+    sequences are spread over that many micro-batches longest first, each into the one
+    with the fewest tokens so far (LPT), so their token counts differ by at most the
+    longest sequence. The micro-batches then stand for parallel workers (data-parallel
+    replicas, pipeline slots), and the slowest sets the pace: best fit with forced
+    extra micro-batches would leave most of the work in the first one.
+
     Args:
         seq_lens: token count of each sequence (prompt + response).
         max_tokens_per_micro_batch: most tokens one micro-batch may hold.
-        min_micro_batches: open new micro-batches until at least this many exist
-            (e.g. one per gradient-accumulation step or data-parallel rank).
+        min_micro_batches: at least this many micro-batches (e.g. one per
+            data-parallel replica).
 
     Returns:
         Lists of indices into ``seq_lens``, one per micro-batch; every index appears
@@ -84,7 +92,30 @@ def dynamic_micro_batches(
         raise ValueError(f"min_micro_batches must be >= 1, got {min_micro_batches}")
     lengths = _check_lengths(seq_lens)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    best_fit = _best_fit(lengths, order, max_tokens_per_micro_batch, 1)
+    count = min(min_micro_batches, len(lengths))
+    if len(best_fit) >= count:
+        return best_fit
+    balanced = _longest_first_to_emptiest(lengths, order, count)
+    if all(sum(lengths[i] for i in mb) <= max_tokens_per_micro_batch for mb in balanced):
+        return balanced
+    return _best_fit(lengths, order, max_tokens_per_micro_batch, count)
 
+
+def _longest_first_to_emptiest(lengths: list[int], order: list[int], count: int) -> list[list[int]]:
+    loads = [(0, k) for k in range(count)]
+    micro_batches: list[list[int]] = [[] for _ in range(count)]
+    for i in order:
+        load, k = heapq.heappop(loads)
+        micro_batches[k].append(i)
+        heapq.heappush(loads, (load + lengths[i], k))
+    return micro_batches
+
+
+def _best_fit(
+    lengths: list[int], order: list[int], max_tokens_per_micro_batch: int, min_micro_batches: int
+) -> list[list[int]]:
+    """Best fit decreasing; the first ``min_micro_batches`` sequences open their own."""
     micro_batches: list[list[int]] = []
     # Open micro-batches that still have room, sorted by (remaining room, index) so the
     # best fit (least room that still fits) is one bisect away.
@@ -111,7 +142,7 @@ def dynamic_micro_batches(
             f"{len(overlong)} sequence(s) exceed max_tokens_per_micro_batch="
             f"{max_tokens_per_micro_batch} and each got a micro-batch of its own: {shown}",
             OverlongSequenceWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     return micro_batches
 

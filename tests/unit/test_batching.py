@@ -27,14 +27,28 @@ def test_best_fit_decreasing_by_hand():
     assert dynamic_micro_batches([5, 3, 8, 2, 6], 10) == [[2, 3], [4, 1], [0]]
 
 
-def test_min_micro_batches_opens_new_ones_first():
-    # as above, but 3 opens mb3 because only 3 micro-batches exist; 2 then best-fits mb0
+def test_more_micro_batches_than_the_budget_needs_are_balanced_longest_first():
+    # as above (the budget needs 3), but 4 asked for: longest first into the emptiest,
+    # 8 -> mb0, 6 -> mb1, 5 -> mb2, 3 -> mb3 (all empty before); 2 -> mb3 (3 tokens,
+    # the fewest) -> loads 8, 6, 5, 5
     assert dynamic_micro_batches([5, 3, 8, 2, 6], 10, min_micro_batches=4) == [
-        [2, 3],
+        [2],
         [4],
         [0],
-        [1],
+        [1, 3],
     ]
+
+
+def test_forced_micro_batches_differ_by_at_most_the_longest_sequence():
+    rng = random.Random(1)
+    for _ in range(300):
+        lengths = [max(1, int(rng.lognormvariate(3, 1))) for _ in range(rng.randint(2, 60))]
+        count = rng.randint(2, 8)
+        budget = 10 * sum(lengths)  # the budget alone would need one micro-batch
+        mbs = dynamic_micro_batches(lengths, budget, min_micro_batches=count)
+        assert len(mbs) == min(count, len(lengths))
+        loads = [sum(lengths[i] for i in mb) for mb in mbs]
+        assert max(loads) - min(loads) <= max(lengths)
 
 
 def test_overlong_sequence_gets_its_own_micro_batch_with_a_warning():
