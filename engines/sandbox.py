@@ -17,10 +17,13 @@ What this default runner does, in layers:
   not enforced): process creation (fork, exec, spawn, system, subprocess), sockets,
   opening files for writing, and destructive filesystem calls raise SandboxViolation.
 
-Known gaps for the hardened version: code that loads native libraries (ctypes) can
-step around the Python-level guards, and reading files outside the working directory
-is allowed. A pass needs the test code to finish: the runner prints a per-run random
-token after the tests, and only output ending in that token counts as passed.
+- reading files outside the work directory and Python's installation raises too.
+
+Known gap: code that loads native libraries (ctypes) can step around the Python-level
+guards; ``reward.sandbox: docker`` (``infra/docker_sandbox.py``) runs this same runner
+inside a locked-down container, where the kernel holds what the guards do not. A pass
+needs the test code to finish: the runner prints a per-run random token after the
+tests, and only output ending in that token counts as passed.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Reason = Literal["passed", "failed", "timeout", "blocked", "memory", "cpu_limit", "error"]
+Reason = Literal[
+    "passed", "failed", "timeout", "blocked", "memory", "cpu_limit", "output_limit", "error"
+]
 
 # Exit code the runner uses when user code tripped a guard (even if it caught the error).
 _BLOCKED_EXIT = 86
@@ -58,7 +63,8 @@ class SandboxResult:
     """Standard error (first 1 MiB): tracebacks and guard messages."""
     reason: Reason
     """passed | failed (exception/assert) | timeout (wall clock) | blocked (guard tripped) |
-    memory (MemoryError) | cpu_limit (RLIMIT_CPU) | error (sandbox could not run)."""
+    memory (MemoryError or killed for memory) | cpu_limit (RLIMIT_CPU) | output_limit
+    (more than 1 MiB on stdout or stderr: stopped) | error (sandbox could not run)."""
     returncode: int | None = None
     """Exit status of the interpreter (negative = killed by that signal); None if never started."""
     duration_s: float = 0.0
@@ -135,18 +141,35 @@ def _main():
     real_os_open = os.open
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
+    # Reading is allowed in the work directory and Python's own installation only: not
+    # the host's files (keys, credentials, other runs' data).
+    readable = [os.path.realpath(p) + os.sep for p in
+                {os.getcwd(), sys.prefix, sys.base_prefix, sys.exec_prefix}]
+
+    def check_read(path):
+        try:
+            real = os.path.realpath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return
+        if not any((real + os.sep).startswith(root) for root in readable):
+            violations.append("reading files outside the work directory")
+            raise SandboxViolation(
+                "reading files outside the work directory is not allowed in the Sluice sandbox")
+
     def guarded_open(file, mode="r", *args, **kwargs):
         if isinstance(file, int):
             return real_open(file, mode, *args, **kwargs)
         if any(c in mode for c in "wax+"):
             violations.append("writing files")
             raise SandboxViolation("writing files is not allowed in the Sluice sandbox")
+        check_read(file)
         return real_open(file, mode, *args, **kwargs)
 
     def guarded_os_open(path, flags, *args, **kwargs):
         if flags & write_flags:
             violations.append("writing files")
             raise SandboxViolation("writing files is not allowed in the Sluice sandbox")
+        check_read(path)
         return real_os_open(path, flags, *args, **kwargs)
 
     builtins.open = guarded_open
@@ -197,15 +220,16 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def _collect(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes, bytes, bool]:
-    """Read both pipes until EOF or the deadline; keep the first 1 MiB of each."""
+def _collect(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes, bytes, bool, bool]:
+    """Read both pipes until EOF, the deadline, or more than 1 MiB on either:
+    ``(stdout, stderr, timed out, over the output limit)``."""
     assert process.stdout is not None and process.stderr is not None
     chunks: dict[int, bytearray] = {
         process.stdout.fileno(): bytearray(),
         process.stderr.fileno(): bytearray(),
     }
     deadline = time.monotonic() + timeout_s
-    timed_out = False
+    timed_out = over = False
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         selector.register(process.stderr, selectors.EVENT_READ)
@@ -220,9 +244,90 @@ def _collect(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes,
                     selector.unregister(key.fileobj)
                     continue
                 buffer = chunks[key.fd]
-                if len(buffer) < _MAX_OUTPUT_BYTES:
-                    buffer.extend(data[: _MAX_OUTPUT_BYTES - len(buffer)])
-    return bytes(chunks[process.stdout.fileno()]), bytes(chunks[process.stderr.fileno()]), timed_out
+                room = _MAX_OUTPUT_BYTES - len(buffer)
+                buffer.extend(data[:room])
+                over = over or len(data) > room
+            if over:  # more output than any test needs: stop the run
+                break
+    out, err = bytes(chunks[process.stdout.fileno()]), bytes(chunks[process.stderr.fileno()])
+    return out, err, timed_out, over
+
+
+def runner_source() -> str:
+    """The runner script: reads ``payload.json`` from its working directory, deletes it,
+    sets the limits and guards, runs the code and tests, prints the token if they passed."""
+    return _RUNNER.replace("BLOCKED_EXIT", str(_BLOCKED_EXIT))
+
+
+# The runner's whole environment: PATH and locale, and single-threaded BLAS libraries,
+# which reserve per-thread arenas at import (one thread keeps numpy importable under a
+# small RLIMIT_AS).
+RUNNER_ENV = {
+    "PATH": os.defpath,
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+def make_payload(
+    code: str, tests: str, timeout_s: float, memory_mb: int, stdin: str = ""
+) -> dict[str, object]:
+    """The runner's ``payload.json`` for one run (checked: one clear ValueError)."""
+    if not isinstance(code, str) or not isinstance(tests, str) or not isinstance(stdin, str):
+        raise ValueError("run_python: code, tests and stdin must be strings")
+    if timeout_s <= 0 or memory_mb <= 0:
+        raise ValueError(
+            f"run_python: timeout_s ({timeout_s}) and memory_mb ({memory_mb}) must be positive"
+        )
+    return {
+        "code": code,
+        "tests": tests,
+        "token": f"__sluice_done_{secrets.token_hex(16)}__",
+        "memory_bytes": int(memory_mb) * 1024 * 1024,
+        "cpu_seconds": max(1, int(timeout_s + 1)),
+    }
+
+
+def classify(
+    out: bytes,
+    err: bytes,
+    returncode: int | None,
+    *,
+    token: str,
+    timed_out: bool,
+    duration_s: float,
+    memory_killed: bool = False,
+    output_limited: bool = False,
+) -> SandboxResult:
+    """A ``SandboxResult`` from what a run of the runner left behind."""
+    stdout = out.decode("utf-8", errors="replace")
+    stderr = err.decode("utf-8", errors="replace")
+    completed = stdout.rstrip("\n").endswith(token)
+    if completed:
+        stdout = stdout.rstrip("\n")[: -len(token)]
+        stdout = stdout[:-1] if stdout.endswith("\n") else stdout
+    reason: Reason
+    if timed_out:
+        reason = "timeout"
+    elif output_limited:
+        reason = "output_limit"
+    elif returncode == _BLOCKED_EXIT:
+        reason = "blocked"
+    elif completed and returncode == 0:
+        reason = "passed"
+    elif returncode == -signal.SIGXCPU:
+        reason = "cpu_limit"
+    elif memory_killed or "MemoryError" in stderr:
+        reason = "memory"
+    else:
+        reason = "failed"
+    return SandboxResult(
+        reason == "passed", stdout, stderr, reason, returncode, round(duration_s, 3)
+    )
 
 
 def run_python(
@@ -239,44 +344,19 @@ def run_python(
     non-positive limit raises ValueError. `stdin` is fed to the program's standard
     input (stdin/stdout style tests compare `stdout` themselves).
     """
-    if not isinstance(code, str) or not isinstance(tests, str) or not isinstance(stdin, str):
-        raise ValueError("run_python: code, tests and stdin must be strings")
-    if timeout_s <= 0 or memory_mb <= 0:
-        raise ValueError(
-            f"run_python: timeout_s ({timeout_s}) and memory_mb ({memory_mb}) must be positive"
-        )
-    token = f"__sluice_done_{secrets.token_hex(16)}__"
-    payload = {
-        "code": code,
-        "tests": tests,
-        "token": token,
-        "memory_bytes": int(memory_mb) * 1024 * 1024,
-        "cpu_seconds": max(1, int(timeout_s + 1)),
-    }
-    env = {
-        "PATH": os.defpath,
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "PYTHONIOENCODING": "utf-8",
-        # BLAS libraries reserve per-thread arenas at import; one thread keeps numpy
-        # importable under a small RLIMIT_AS.
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
+    payload = make_payload(code, tests, timeout_s, memory_mb, stdin)
     with tempfile.TemporaryDirectory(prefix="sluice-sandbox-") as workdir:
         Path(workdir, "payload.json").write_text(json.dumps(payload), encoding="utf-8")
         # stdin comes from a file, not a pipe we write to: a program that never reads
         # its input cannot block the parent before the deadline starts counting.
         stdin_path = Path(workdir, "stdin.txt")
         stdin_path.write_text(stdin, encoding="utf-8")
-        runner = _RUNNER.replace("BLOCKED_EXIT", str(_BLOCKED_EXIT))
-        env["HOME"] = workdir
+        env = {**RUNNER_ENV, "HOME": workdir}
         started = time.monotonic()
         try:
             with stdin_path.open("rb") as stdin_file:
                 process = subprocess.Popen(
-                    [_python_executable(), "-I", "-c", runner],
+                    [_python_executable(), "-I", "-c", runner_source()],
                     cwd=workdir,
                     env=env,
                     stdin=stdin_file,
@@ -288,31 +368,18 @@ def run_python(
         except OSError as exc:
             return SandboxResult(False, "", f"could not start the sandbox: {exc}", "error")
         try:
-            out, err, timed_out = _collect(process, timeout_s)
+            out, err, timed_out, over = _collect(process, timeout_s)
         finally:
             # Always: a grandchild that escaped the fork guard dies with its group.
             _kill_group(process)
             returncode = process.wait()
         duration_s = time.monotonic() - started
-    stdout = out.decode("utf-8", errors="replace")
-    stderr = err.decode("utf-8", errors="replace")
-    completed = stdout.rstrip("\n").endswith(token)
-    if completed:
-        stdout = stdout.rstrip("\n")[: -len(token)]
-        stdout = stdout[:-1] if stdout.endswith("\n") else stdout
-    reason: Reason
-    if timed_out:
-        reason = "timeout"
-    elif returncode == _BLOCKED_EXIT:
-        reason = "blocked"
-    elif completed and returncode == 0:
-        reason = "passed"
-    elif returncode == -signal.SIGXCPU:
-        reason = "cpu_limit"
-    elif "MemoryError" in stderr:
-        reason = "memory"
-    else:
-        reason = "failed"
-    return SandboxResult(
-        reason == "passed", stdout, stderr, reason, returncode, round(duration_s, 3)
+    return classify(
+        out,
+        err,
+        returncode,
+        token=str(payload["token"]),
+        timed_out=timed_out,
+        duration_s=duration_s,
+        output_limited=over,
     )

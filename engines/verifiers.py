@@ -28,11 +28,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.problems.base import PromptRow
 from engines.problems.longtail import LongTailSum
 from engines.problems.registry import BUILTIN_PROBLEMS
+
+if TYPE_CHECKING:
+    from engines.sandbox import SandboxResult
 
 log = logging.getLogger(__name__)
 
@@ -206,23 +209,29 @@ def extract_code(response_text: str) -> str:
 
 
 def code_verifier(
-    scale: RewardScale = RewardScale(), timeout_s: float = 10.0, memory_mb: int = 512
+    scale: RewardScale = RewardScale(),
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    run_python: Callable[..., SandboxResult] | None = None,
 ) -> Verifier:
     """Run the response's code against the row's tests in the sandbox.
 
     Row formats: `tests` as Python source (asserts) or a list of such snippets, run
     after the code; or `tests` as {"inputs": [...], "outputs": [...]} stdin/stdout
     pairs, every pair must match (trailing whitespace ignored). The budget
-    `timeout_s` applies per sandbox run.
+    `timeout_s` applies per sandbox run. `run_python`: the sandbox
+    (``engines.sandbox.run_python``, the process sandbox, unless another is given).
     """
-    from engines.sandbox import run_python
+    from engines.sandbox import run_python as run_in_process
+
+    run: Callable[..., SandboxResult] = run_python or run_in_process
 
     def passes(row: PromptRow, code: str) -> bool:
         tests = row.get("tests")
         if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
             tests = "\n".join(tests)
         if isinstance(tests, str):
-            return run_python(code, tests, timeout_s=timeout_s, memory_mb=memory_mb).passed
+            return run(code, tests, timeout_s=timeout_s, memory_mb=memory_mb).passed
         if (
             isinstance(tests, dict)
             and isinstance(tests.get("inputs"), list)
@@ -236,9 +245,7 @@ def code_verifier(
                 )
                 return False
             for given, expected in pairs:
-                result = run_python(
-                    code, "", timeout_s=timeout_s, memory_mb=memory_mb, stdin=str(given)
-                )
+                result = run(code, "", timeout_s=timeout_s, memory_mb=memory_mb, stdin=str(given))
                 if not result.passed or result.stdout.rstrip() != str(expected).rstrip():
                     return False
             return True
@@ -294,8 +301,12 @@ def load_verifier(
     incorrect_reward: float = 0.0,
     timeout_s: float = 10.0,
     memory_mb: int = 512,
+    run_python: Callable[..., SandboxResult] | None = None,
 ) -> Verifier:
     """A verifier from `spec`: "builtin", "math", "code" or "package.module:function".
+
+    `run_python` is the sandbox the `code` verifier runs code in (default: the process
+    sandbox).
 
     Raises VerifierSpecError naming the spec when the module cannot be imported, the
     attribute is missing, or it is not callable.
@@ -313,7 +324,7 @@ def load_verifier(
     if spec == "math":
         return math_verifier(scale, timeout_s=timeout_s)
     if spec == "code":
-        return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb)
+        return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb, run_python=run_python)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise VerifierSpecError(

@@ -159,6 +159,12 @@ class RewardConfig(_Section):
     """Verifier worker processes."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit per verifier call; a timeout scores `incorrect_reward`."""
+    sandbox: Literal["process", "docker"] = "process"
+    """Where the `code` verifier runs model-written code: `process` (a locked-down subprocess: Python-level guards and kernel limits; no engine needed) or `docker` (a fresh container per run from `sandbox_image`: no network, read-only root, memory, CPU and pids limits, the deadline enforced from outside; needs a Docker engine, e.g. `bash infra/docker/engine.sh`, and refuses to start without one)."""
+    sandbox_image: str = "sluice-base:bookworm"
+    """Image of the docker sandbox's containers: any image with /usr/bin/python3 (`infra/docker/engine.sh` builds this one)."""
+    sandbox_pool: int = Field(2, ge=0, le=64)
+    """Containers the docker sandbox keeps started ahead: a run takes one (start-up is seconds, a run often less), so size it to the reward role's `num_workers`. 0 = start each run's container when it comes."""
     poll_interval_s: float = Field(0.25, gt=0)
     """How often the reward role lists the rollouts stream when it has nothing to score."""
 

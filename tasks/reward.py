@@ -45,18 +45,36 @@ def _score_in_worker(row: dict[str, Any], text: str) -> float:
 
 
 class VerifierPool:
-    """Scores (row, text) pairs with a deadline per call; a hung verifier costs one pool."""
+    """Scores (row, text) pairs with a deadline per call; a hung verifier costs one pool.
 
-    def __init__(self, spec: str, workers: int, timeout_s: float, correct: float, incorrect: float):
+    With a container sandbox (``run_python``) the verifiers run in threads of this
+    process instead: the code runs in the containers, each run's deadline is enforced
+    by killing its container, and one warm pool of containers serves every thread.
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        workers: int,
+        timeout_s: float,
+        correct: float,
+        incorrect: float,
+        run_python: Callable[..., Any] | None = None,
+    ):
         self.spec, self.workers, self.timeout_s = spec, workers, timeout_s
         self.correct, self.incorrect = correct, incorrect
         self.timeouts = 0
         # The built-in checker is a string compare: a process hop would cost more than it.
         self.inline = spec == "builtin" and workers == 1
-        self.verifier = load_verifier(spec, correct_reward=correct, incorrect_reward=incorrect)
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self.threads = run_python is not None
+        self.verifier = load_verifier(
+            spec, correct_reward=correct, incorrect_reward=incorrect, run_python=run_python
+        )
+        self._pool: cf.Executor | None = None
 
-    def _executor(self) -> cf.ProcessPoolExecutor:
+    def _executor(self) -> cf.Executor:
+        if self._pool is None and self.threads:
+            self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="verifier")
         if self._pool is None:
             self._pool = cf.ProcessPoolExecutor(
                 self.workers,
@@ -70,9 +88,8 @@ class VerifierPool:
         if self.inline:
             return [float(self.verifier(row, text)) for row, text in zip(rows, texts, strict=True)]
         pool = self._executor()
-        futures = [
-            pool.submit(_score_in_worker, row, text) for row, text in zip(rows, texts, strict=True)
-        ]
+        score_one = self.verifier if self.threads else _score_in_worker
+        futures = [pool.submit(score_one, row, text) for row, text in zip(rows, texts, strict=True)]
         deadline = time.monotonic() + self.timeout_s
         scores, hung = [], False
         for future in futures:
@@ -85,7 +102,7 @@ class VerifierPool:
             except Exception as err:  # a verifier must not take the role down
                 log.warning("verifier raised %s; scoring %s", err, self.incorrect)
                 scores.append(self.incorrect)
-        if hung:  # worker processes stuck in user code: replace the pool
+        if hung and not self.threads:  # worker processes stuck in user code: replace them
             self.close()
         return scores
 
@@ -135,12 +152,18 @@ class RewardRole(Role):
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
+        sandbox = None
+        if cfg.reward.sandbox == "docker":
+            from infra.docker_sandbox import DockerSandbox
+
+            sandbox = DockerSandbox(cfg.reward.sandbox_image, pool_size=cfg.reward.sandbox_pool)
         pool = VerifierPool(
             cfg.reward.verifier,
             cfg.reward.num_workers,
             cfg.reward.timeout_s,
             cfg.reward.correct_reward,
             cfg.reward.incorrect_reward,
+            run_python=sandbox.run_python if sandbox is not None else None,
         )
 
         def score(ref: ShardRef, table: pa.Table) -> None:
@@ -163,4 +186,6 @@ class RewardRole(Role):
             self.consume(self.reader, score, wait)
         finally:
             pool.close()
+            if sandbox is not None:
+                sandbox.close()
             self.status.update(force=True, state="stopped", groups_scored=self.scored_groups)

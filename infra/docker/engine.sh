@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A local Docker engine and Sluice's base image, where no registry image can be pulled.
+#
+#   bash infra/docker/engine.sh
+#
+# 1. If no engine answers `docker info`, install docker.io and debootstrap (apt, as
+#    root) if missing and start dockerd without iptables or a bridge (containers use
+#    --network none or host) on the vfs storage driver, which needs no kernel support.
+# 2. If the base image ($SLUICE_BASE_IMAGE, default sluice-base:bookworm) is missing,
+#    build it: a minimal Debian bookworm with python3 from the mirror apt already
+#    uses (debootstrap, about a minute), imported as an image.
+# Exits 0 with the engine reachable and the image present, else non-zero with one line.
+set -euo pipefail
+image=${SLUICE_BASE_IMAGE:-sluice-base:bookworm}
+
+fail() { echo "engine.sh: $*" >&2; exit 1; }
+
+if ! docker info >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || fail "no Docker engine answers and starting one needs root"
+  if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq docker.io debootstrap >/dev/null || fail "apt could not install docker.io"
+  fi
+  nohup dockerd --iptables=false --bridge=none --storage-driver=vfs \
+    >"${TMPDIR:-/tmp}/sluice-dockerd.log" 2>&1 &
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || fail "dockerd did not answer in 60 s (see ${TMPDIR:-/tmp}/sluice-dockerd.log)"
+fi
+
+docker image inspect "$image" >/dev/null 2>&1 && exit 0
+command -v debootstrap >/dev/null || fail "the base image is missing and debootstrap is not installed"
+# The Debian mirror apt uses here (deb822 sources first, then sources.list).
+mirror=$(grep -hoE '^URIs: *http[^ ]*debian/?$' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1 | sed 's/^URIs: *//')
+[ -n "$mirror" ] || mirror=$(grep -hoE '^deb +http[^ ]*debian/? ' /etc/apt/sources.list 2>/dev/null | head -1 | awk '{print $2}')
+mirror=${mirror:-http://deb.debian.org/debian}
+root=$(mktemp -d)
+trap 'rm -rf "$root"' EXIT
+debootstrap --variant=minbase --include=python3 bookworm "$root" "$mirror" >/dev/null \
+  || fail "debootstrap from $mirror failed"
+# Package caches, documentation and translations: half the tree, and the vfs storage
+# driver copies the whole image for every container the code sandbox starts.
+rm -rf "$root"/var/cache/apt/* "$root"/var/lib/apt/lists/* \
+  "$root"/usr/share/doc/* "$root"/usr/share/locale/* "$root"/usr/share/man/* "$root"/usr/share/info/*
+chmod 755 "$root"  # mktemp made it 0700: the image's / would shut out non-root users
+tar -C "$root" -c . | docker import - "$image" >/dev/null
+echo "engine.sh: built $image from $mirror"

@@ -1,0 +1,24 @@
+"""``reward.sandbox: docker`` refuses to start without an engine, in one line that says
+how to get one (no engine is needed to check this)."""
+
+import pytest
+
+
+def test_a_docker_sandbox_without_an_engine_says_how_to_start_one(tmp_path):
+    import docker
+
+    from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+
+    sock = f"unix://{tmp_path / 'no-engine.sock'}"
+    nowhere = docker.DockerClient(base_url=sock, version="1.41", timeout=2)
+    with pytest.raises(SandboxUnavailable, match=r"start one with `bash infra/docker/engine.sh`"):
+        DockerSandbox(client=nowhere)
+
+
+def test_the_reward_sandbox_key_takes_process_or_docker():
+    from infra.config import ConfigError, load_config
+
+    assert load_config("default").reward.sandbox == "process"
+    assert load_config("default", ["reward.sandbox=docker"]).reward.sandbox == "docker"
+    with pytest.raises(ConfigError, match="invalid value for 'reward.sandbox'"):
+        load_config("default", ["reward.sandbox=vm"])
