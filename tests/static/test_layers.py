@@ -30,12 +30,14 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "tasks": ("flows",),
     "flows": (),
 }
-# infra/serving speaks the engine's request/response types; nothing else in infra
-# may reach into engines.
+# infra/serving speaks the engine's request/response types, and infra/docker_sandbox
+# runs the code sandbox's runner inside containers; nothing else in infra may reach
+# into engines.
 ALLOWED_ENGINE_IMPORTS_IN_INFRA = (
     "engines.inference.types",
     "engines.inference.engine",
     "engines.model",
+    "engines.sandbox",
 )
 
 
