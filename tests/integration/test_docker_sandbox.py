@@ -42,7 +42,7 @@ def test_the_code_verifier_scores_through_containers(sandbox) -> None:
     pool.close()
 
 
-def test_a_missing_sandbox_image_is_named() -> None:
+def test_a_missing_sandbox_image_is_named(sandbox) -> None:  # (the engine is up)
     from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
 
     with pytest.raises(SandboxUnavailable, match="'sluice-base:no-such-tag' is missing"):
