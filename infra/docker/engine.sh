@@ -7,8 +7,8 @@
 #    root) if missing and start dockerd without iptables or a bridge (containers use
 #    --network none or host) on the vfs storage driver, which needs no kernel support.
 # 2. If the base image ($SLUICE_BASE_IMAGE, default sluice-base:bookworm) is missing,
-#    build it: a minimal Debian bookworm with python3 from the mirror apt already
-#    uses (debootstrap, about a minute), imported as an image.
+#    build it: a minimal Debian bookworm with python3 and python3-venv from the mirror
+#    apt already uses (debootstrap, about a minute), imported as an image.
 # Exits 0 with the engine reachable and the image present, else non-zero with one line.
 set -euo pipefail
 image=${SLUICE_BASE_IMAGE:-sluice-base:bookworm}
@@ -35,7 +35,7 @@ mirror=$(grep -hoE '^URIs: *http[^ ]*debian/?$' /etc/apt/sources.list.d/*.source
 mirror=${mirror:-http://deb.debian.org/debian}
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
-debootstrap --variant=minbase --include=python3 bookworm "$root" "$mirror" >/dev/null \
+debootstrap --variant=minbase --include=python3,python3-venv bookworm "$root" "$mirror" >/dev/null \
   || fail "debootstrap from $mirror failed"
 # Package caches, documentation and translations: half the tree, and the vfs storage
 # driver copies the whole image for every container the code sandbox starts.
