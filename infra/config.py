@@ -159,8 +159,8 @@ class RewardConfig(_Section):
     """Verifier worker processes."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock limit per verifier call; a timeout scores `incorrect_reward`."""
-    sandbox: Literal["process", "docker"] = "process"
-    """Where the `code` verifier runs model-written code: `process` (a locked-down subprocess: Python-level guards and kernel limits; no engine needed) or `docker` (a fresh container per run from `sandbox_image`: no network, read-only root, memory, CPU and pids limits, the deadline enforced from outside; needs a Docker engine, e.g. `bash infra/docker/engine.sh`, and refuses to start without one)."""
+    sandbox: Literal["auto", "process", "docker"] = "auto"
+    """Where the `code` verifier runs model-written code: `docker` (a fresh container per run from `sandbox_image`: no network, read-only root, memory, CPU and pids limits, the deadline enforced from outside; needs a Docker engine, e.g. `bash infra/docker/engine.sh`, and refuses to start without one), `process` (a locked-down subprocess: Python-level guards and kernel limits; no engine needed), or `auto`: docker where an engine and the image answer, else process (said once in the reward log). Other verifiers run no code and start no sandbox."""
     sandbox_image: str = "sluice-base:bookworm"
     """Image of the docker sandbox's containers: any image with /usr/bin/python3 (`infra/docker/engine.sh` builds this one)."""
     sandbox_pool: int = Field(2, ge=0, le=64)

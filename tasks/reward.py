@@ -114,6 +114,26 @@ class VerifierPool:
             self._pool = None
 
 
+def code_sandbox(config: RunConfig) -> Any:
+    """The container sandbox the `code` verifier runs in, or None for the process one.
+
+    `reward.sandbox: auto` takes containers where an engine and the image answer and
+    says once why it does not otherwise; `docker` insists (``SandboxUnavailable``).
+    """
+    reward = config.reward
+    if reward.verifier != "code" or reward.sandbox == "process":
+        return None
+    from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+
+    try:
+        return DockerSandbox(reward.sandbox_image, pool_size=reward.sandbox_pool)
+    except SandboxUnavailable as exc:
+        if reward.sandbox == "docker":
+            raise
+        log.warning("reward.sandbox=auto: %s; running code in the process sandbox", exc)
+        return None
+
+
 class RewardRole(Role):
     name = "reward"
 
@@ -152,11 +172,7 @@ class RewardRole(Role):
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
-        sandbox = None
-        if cfg.reward.sandbox == "docker":
-            from infra.docker_sandbox import DockerSandbox
-
-            sandbox = DockerSandbox(cfg.reward.sandbox_image, pool_size=cfg.reward.sandbox_pool)
+        sandbox = code_sandbox(cfg)
         pool = VerifierPool(
             cfg.reward.verifier,
             cfg.reward.num_workers,

@@ -60,3 +60,16 @@ def test_containers_left_by_a_dead_owner_are_removed(sandbox) -> None:
     DockerSandbox(sandbox.image, pool_size=1).close()
     left = [c.id for c in sandbox.client.containers.list(all=True, filters={"label": LABEL})]
     assert orphan.id not in left
+
+
+def test_auto_takes_containers_where_an_engine_answers(sandbox) -> None:
+    from infra.config import load_config
+    from infra.docker_sandbox import DockerSandbox
+    from tasks.reward import code_sandbox
+
+    chosen = code_sandbox(load_config("default", ["reward.verifier=code", "reward.sandbox_pool=1"]))
+    assert isinstance(chosen, DockerSandbox)
+    try:
+        assert chosen.run_python("x = 1", "assert x == 1").passed
+    finally:
+        chosen.close()

@@ -15,10 +15,28 @@ def test_a_docker_sandbox_without_an_engine_says_how_to_start_one(tmp_path):
         DockerSandbox(client=nowhere)
 
 
-def test_the_reward_sandbox_key_takes_process_or_docker():
+def test_the_reward_sandbox_key_takes_auto_process_or_docker():
     from infra.config import ConfigError, load_config
 
-    assert load_config("default").reward.sandbox == "process"
+    assert load_config("default").reward.sandbox == "auto"
     assert load_config("default", ["reward.sandbox=docker"]).reward.sandbox == "docker"
     with pytest.raises(ConfigError, match="invalid value for 'reward.sandbox'"):
         load_config("default", ["reward.sandbox=vm"])
+
+
+def test_auto_falls_back_to_the_process_sandbox_and_docker_refuses_without_an_engine(
+    tmp_path, monkeypatch, caplog
+):
+    from infra.config import load_config
+    from infra.docker_sandbox import SandboxUnavailable
+    from tasks.reward import code_sandbox
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-engine.sock'}")
+    code = ["reward.verifier=code"]
+    with caplog.at_level("WARNING", logger="sluice.reward"):
+        assert code_sandbox(load_config("default", code)) is None
+    assert "reward.sandbox=auto" in caplog.text and "process sandbox" in caplog.text
+    with pytest.raises(SandboxUnavailable, match="needs a Docker engine"):
+        code_sandbox(load_config("default", [*code, "reward.sandbox=docker"]))
+    # Verifiers that run no code start no sandbox, whatever the key says.
+    assert code_sandbox(load_config("default", ["reward.sandbox=docker"])) is None
