@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,8 +47,10 @@ def _samples(seed: int, n: int = 24) -> list[TrainingSample]:
 SETTINGS = TrainerSettings(ppo_minibatches=2, max_tokens_per_micro_batch=200, lr=1e-3)
 
 
-def _trainer(cls: type[PolicyTrainer], model_dir: Path = SHIPPED) -> PolicyTrainer:
-    return cls(model_dir, SETTINGS, make_policy_loss(), make_rollout_correction(mode="token_tis"))
+def _trainer(cls: type[PolicyTrainer], model_dir: Path = SHIPPED, **kwargs: Any) -> PolicyTrainer:
+    return cls(
+        model_dir, SETTINGS, make_policy_loss(), make_rollout_correction(mode="token_tis"), **kwargs
+    )
 
 
 def test_megatron_and_torch_backends_agree_over_three_steps() -> None:
@@ -127,13 +130,7 @@ def test_bf16_trains_on_fp32_main_weights_like_fp32_and_resumes_exactly(tmp_path
     from engines.megatron import convert
 
     reference = _trainer(PolicyTrainer)
-    trainer = MegatronPolicyTrainer(
-        SHIPPED,
-        SETTINGS,
-        make_policy_loss(),
-        make_rollout_correction(mode="token_tis"),
-        dtype=torch.bfloat16,
-    )
+    trainer = _trainer(MegatronPolicyTrainer, SHIPPED, dtype=torch.bfloat16)
     optimizer = trainer.policy_optimizer.optimizer.chained_optimizers[0]
     assert type(optimizer).__name__ == "Float16OptimizerWithFloat16Params"
     projections = [p for n, p in trainer.megatron.named_parameters() if "linear" in n]
@@ -157,13 +154,7 @@ def test_bf16_trains_on_fp32_main_weights_like_fp32_and_resumes_exactly(tmp_path
     published = read_weight_files(saved)
     for name, tensor in trainer.hf_state_dict().items():
         assert torch.equal(published[name], tensor.float()), name
-    resumed = MegatronPolicyTrainer(
-        saved,
-        SETTINGS,
-        make_policy_loss(),
-        make_rollout_correction(mode="token_tis"),
-        dtype=torch.bfloat16,
-    )
+    resumed = _trainer(MegatronPolicyTrainer, saved, dtype=torch.bfloat16)
     next_resumed, next_continued = resumed.train_step(_samples(3)), trainer.train_step(_samples(3))
     assert next_resumed["loss/policy_loss"] == next_continued["loss/policy_loss"]
     for name, tensor in trainer.hf_state_dict().items():
