@@ -34,6 +34,7 @@ from tasks.common import ROLES, RunControl, run_paths, run_registry
 from tasks.inference_server import write_start
 from tasks.prepare import prepare_policy
 from tasks.report import publish_summary
+from tasks.server_launch import planned_servers, serve_inference
 
 
 class ResumeError(RuntimeError):
@@ -109,10 +110,15 @@ def train(
 
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
         roles = [r for r in ROLES if r != "evaluate" or config.evaluation.during_run]
-        futures = run_roles(
-            roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir
-        )
-        watch_progress(config, run_id, futures, started=started)
+        with planned_servers(config, run_id) as ports:  # servers.launch=docker: containers
+            futures = run_roles(
+                roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir
+            )
+            if ports:
+                futures["servers"] = serve_inference.submit(
+                    config.model_dump(mode="json"), run_id, ports
+                )
+            watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

@@ -33,6 +33,11 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
     started = time.monotonic()
     with role_launcher():  # the roles' imports, once, while this flow sets the run up
         config = config or load_config("default")
+        if config.servers.launch != "embedded":
+            raise ValueError(
+                "train_sync generates inside its training process; servers.launch="
+                f"{config.servers.launch} applies to the asynchronous `train` flow only"
+            )
         run_id = run_id or new_run_id(config)
         mlflow_run_id = start_or_resume_run(
             config.tracking.uri,

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engines.inference.types import PauseMode
+from infra.config_overrides import ConfigError, apply_override
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "flows" / "configs"
 
@@ -41,10 +42,6 @@ RENAMED_KEYS: dict[str, str] = {
 
 # Keys that are gone, with what to do instead.
 REMOVED_KEYS: dict[str, str] = {}
-
-
-class ConfigError(ValueError):
-    """A config that cannot run, with a one-line message that says how to fix it."""
 
 
 class _Section(BaseModel):
@@ -137,6 +134,35 @@ class RolloutConfig(_Section):
     """Deadline of one generate request."""
     weight_noise_std: float = Field(0.0, ge=0, le=10)
     """Relative std of Gaussian noise added to every weight the embedded inference engine loads (w + σ·std(w)·N(0,1), seeded by run seed and policy version), to inject train–inference mismatch on purpose; the trainer and the evaluator keep clean weights. 0 = off (`sluice bench mismatch` sets it)."""
+
+
+class ServersConfig(_Section):
+    """Inference servers started as containers for a run (`launch: docker`)."""
+
+    launch: Literal["embedded", "docker"] = "embedded"
+    """`embedded`: the rollout role serves from a child process of its own, or talks to `rollout.server_urls` when they are given. `docker`: the run starts `count` server containers on host networking (a Docker engine on the flow's machine), waits on their health, hands their URLs to the rollout role, restarts one that dies and removes them all when the run ends or fails."""
+    count: int = Field(1, ge=1, le=64)
+    """Server containers; the rollout role spreads groups over them, least-loaded first."""
+    engine: Literal["sluice", "sglang"] = "sluice"
+    """`sluice`: Sluice's own server (`python -m infra.serving.server`, CPU or CUDA) from `image`. `sglang`: SGLang's `launch_server` from an SGLang image, with `gpus_per_server` GPUs each (its tensor-parallel size)."""
+    image: str | None = None
+    """Image of the server containers; None = `sluice:local` for the sluice engine (`bash infra/docker/image.sh` builds it). The sglang engine needs one named (e.g. SGLang's release image for your CUDA)."""
+    gpus_per_server: int = Field(0, ge=0, le=64)
+    """GPUs requested for each container (server i gets GPUs i*n .. i*n+n-1); 0 = CPU only (sluice engine)."""
+    extra_args: list[str] = []
+    """More flags for each server's command line (e.g. `--mem-fraction-static 0.7` for SGLang)."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """How long a server may take to answer /health after its container starts."""
+    max_restarts: int = Field(3, ge=0, le=1000)
+    """Times one server is restarted after it died before the run fails."""
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> ServersConfig:
+        if self.engine == "sglang" and self.image is None:
+            raise ValueError("servers.engine=sglang needs servers.image (an SGLang image)")
+        if self.engine == "sglang" and self.gpus_per_server < 1:
+            raise ValueError("servers.engine=sglang needs servers.gpus_per_server >= 1")
+        return self
 
 
 class StalenessConfig(_Section):
@@ -345,6 +371,8 @@ class RunConfig(BaseModel):
     """Prompts."""
     rollout: RolloutConfig = RolloutConfig()
     """Generation."""
+    servers: ServersConfig = ServersConfig()
+    """Inference servers the run starts itself (containers)."""
     staleness: StalenessConfig = StalenessConfig()
     """Staleness bound."""
     reward: RewardConfig = RewardConfig()
@@ -357,6 +385,22 @@ class RunConfig(BaseModel):
     """Object storage for streams and checkpoints."""
     tracking: TrackingConfig = TrackingConfig()
     """MLflow tracking and registry."""
+
+    @model_validator(mode="after")
+    def _launched_servers(self) -> RunConfig:
+        if self.servers.launch != "docker":
+            return self
+        if self.rollout.server_urls:
+            raise ValueError(
+                "servers.launch=docker starts the run's own servers; "
+                "unset rollout.server_urls or set servers.launch=embedded"
+            )
+        if self.rollout.weight_noise_std:
+            raise ValueError(
+                "rollout.weight_noise_std is applied by the embedded inference server only; "
+                "set servers.launch=embedded or rollout.weight_noise_std=0"
+            )
+        return self
 
 
 # ---------------------------------------------------------------- loading
@@ -384,34 +428,6 @@ def _closest(key: str) -> str:
         leaf = key.rsplit(".", 1)[-1]
         match = [k for k in valid if k.rsplit(".", 1)[-1] == leaf][:1]
     return f"; did you mean '{match[0]}'?" if match else ""
-
-
-def parse_value(text: str) -> Any:
-    """A `--set` value: YAML scalars/lists/maps (`4`, `true`, `null`, `[a, b]`), else a string."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply one `key.sub=value` to a nested dict in place."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set expects key=value, got '{assignment}'")
-    key, _, raw = assignment.partition("=")
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"--set expects key=value, got '{assignment}'")
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(f"cannot set '{key}': '{part}' is a value, not a section")
-        node = child
-    node[parts[-1]] = parse_value(raw)
 
 
 def _format_error(err: ValidationError, source: str) -> str:

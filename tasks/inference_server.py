@@ -21,6 +21,8 @@ log = logging.getLogger("sluice.rollout")
 
 START_FILE = "start.json"
 """Control-dir document the flow writes once the run's starting version is committed."""
+SERVERS_FILE = "servers.json"
+"""Control-dir document naming the servers the run launched (`servers.launch: docker`)."""
 
 
 def free_port() -> int:
@@ -83,6 +85,22 @@ def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_
     )
 
 
+def write_launched_servers(config: RunConfig, run_id: str, urls: list[str]) -> None:
+    """Tell the rollout role where the run's launched servers will answer."""
+    write_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}", {"urls": urls})
+
+
+def launched_server_urls(config: RunConfig, run_id: str) -> list[str]:
+    """The URLs of the servers the flow launched for this run (`servers.launch: docker`)."""
+    document = read_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}")
+    if not document or not document.get("urls"):
+        raise RuntimeError(
+            f"servers.launch=docker but the run has no {SERVERS_FILE}: "
+            "the `train` flow launches the servers (the sync baseline does not)"
+        )
+    return [str(url) for url in document["urls"]]
+
+
 def local_checkpoint_dir(uri: str) -> Path | None:
     """The directory of a checkpoint on the local filesystem, None for remote storage."""
     if uri.startswith("file://"):
@@ -100,7 +118,7 @@ def start_early(config: RunConfig, run_id: str) -> EmbeddedServer | None:
     the usual way once it has fetched the weights. The role checks the version
     against the registry and updates the server if they differ.
     """
-    if config.rollout.server_urls:
+    if config.rollout.server_urls or config.servers.launch != "embedded":
         return None
     start: dict[str, Any] | None = read_json(
         config, f"{run_paths(config, run_id).control}/{START_FILE}"

@@ -32,11 +32,12 @@ from engines.staleness import StalenessGate
 from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CommittedVersion
-from infra.serving.client import InferenceClient
+from infra.serving import protocol
+from infra.serving.client import InferenceClient, InferenceServerUnreachableError
 from infra.streams.reader import StreamReader
 from infra.streams.schema import table_from_rows
 from tasks.common import ROLLOUTS
-from tasks.inference_server import EmbeddedServer
+from tasks.inference_server import EmbeddedServer, launched_server_urls
 from tasks.problem import PromptSource, load_policy_tokenizer
 from tasks.role import Role
 
@@ -57,6 +58,7 @@ class RolloutStats:
     update_time_s: float = 0.0
     partial_samples: int = 0
     max_version_span: int = 0
+    server_recoveries: int = 0
 
     def record_group(self, rows: list[dict[str, Any]]) -> None:
         """Count one group written to the stream (`rows`: its samples)."""
@@ -81,6 +83,7 @@ class RolloutStats:
             "update_time_s": self.update_time_s,
             "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
             "max_version_span": self.max_version_span,
+            "server_recoveries": self.server_recoveries,
         }
 
 
@@ -111,6 +114,10 @@ class RolloutRole(Role):
         server: EmbeddedServer | None = None,
     ):
         self.server = server
+        # Set once the servers are known: whether a server that stops answering is waited
+        # for (servers the role does not own) and for how long.
+        self.recoverable = False
+        self.health_timeout_s = 300.0
         try:
             super().__init__(config, run_id, mlflow_run_id)
             self.cache_dir = self.local_dir("rollout-weights")
@@ -143,12 +150,13 @@ class RolloutRole(Role):
 
     def fetch(self, version: CommittedVersion) -> Path:
         # One digest-keyed cache for every version; keep the served weights and the next.
+        # Absolute: a server in another process or container resolves no relative path.
         return fetch_checkpoint(
             version.checkpoint_uri,
             self.cache_dir,
             storage_options=self.config.storage.options,
             keep_latest=2,
-        )
+        ).resolve()
 
     async def maybe_update_weights(self, client: InferenceClient) -> None:
         latest = await asyncio.to_thread(self.registry.latest)
@@ -209,7 +217,9 @@ class RolloutRole(Role):
             # Started from the flow's start document; the registry moved on since.
             log.info("early server holds version %d; restarting", early.weight_version)
             self.stop_server()
-        urls = list(cfg.rollout.server_urls)
+        launched = cfg.servers.launch != "embedded"
+        urls = launched_server_urls(cfg, self.run_id) if launched else list(cfg.rollout.server_urls)
+        external = bool(urls)
         if urls and cfg.rollout.weight_noise_std:
             # An external server loads clean weights; running on would measure no
             # injected mismatch while the config claims some.
@@ -225,10 +235,13 @@ class RolloutRole(Role):
             )
             urls = [self.server.url]
         client = InferenceClient(urls, timeout_s=cfg.rollout.request_timeout_s)
+        # Launched containers may still be starting (an image to unpack, a model to load).
+        self.health_timeout_s = cfg.servers.start_timeout_s if launched else 300.0
         try:
-            await client.wait_until_healthy(timeout_s=300)
-            if cfg.rollout.server_urls:  # external servers start from whatever they hold
+            await client.wait_until_healthy(timeout_s=self.health_timeout_s)
+            if external:  # external servers start from whatever they hold
                 await client.update_weights_from_disk(str(local), self.current.policy_version)
+            self.recoverable = external
             await self._loop(client)
         finally:
             await client.aclose()
@@ -254,7 +267,10 @@ class RolloutRole(Role):
             now = time.monotonic()
             if now - last_poll >= cfg.rollout.poll_interval_s:
                 last_poll = now
-                await self.maybe_update_weights(client)
+                try:
+                    await self.maybe_update_weights(client)
+                except InferenceServerUnreachableError as exc:
+                    await self.recover_servers(client, exc)
             version = self.current.policy_version if self.current else 0
             while len(in_flight) < max_in_flight:
                 ticket = gate.try_start(version)
@@ -277,10 +293,15 @@ class RolloutRole(Role):
             finished, _ = await asyncio.wait(
                 in_flight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
             )
+            lost: InferenceServerUnreachableError | None = None
             for task in finished:
                 index, ticket = in_flight.pop(task)
-                rows = task.result()
-                if any(r["finish_reason"] == "abort" for r in rows):
+                rows: list[dict[str, Any]] | None = None
+                try:
+                    rows = task.result()
+                except InferenceServerUnreachableError as exc:
+                    lost = exc  # its server went away: the group goes again, like an abort
+                if rows is None or any(r["finish_reason"] == "abort" for r in rows):
                     gate.abandon(ticket)  # aborted by a weight update: free the slot, ask again
                     # Kept sorted: the smallest issue number goes first, so every group's
                     # number stays below its admission position and batch floor(n/B)
@@ -289,10 +310,47 @@ class RolloutRole(Role):
                     continue
                 await asyncio.to_thread(self.write_group, index, rows)
                 gate.finish(ticket)
+            if lost is not None:
+                await self.recover_servers(client, lost)
             self._report(gate, version)
         for task in in_flight:
             task.cancel()
         self.status.update(force=True, state="stopped", **self.stats.as_status())
+
+    async def recover_servers(
+        self, client: InferenceClient, error: InferenceServerUnreachableError
+    ) -> None:
+        """A server stopped answering. Servers this role does not own (launched
+        containers, which the flow restarts, or external ones) get `health_timeout_s` to
+        answer again; then any pause a failed weight update left is released, and every
+        server not holding the served version (a restarted one starts from the run's first
+        weights) loads it. The role's own embedded server is not restarted: it fails."""
+        if not self.recoverable:
+            raise error
+        self.stats.server_recoveries += 1
+        log.warning(
+            "%s; waiting up to %.0f s for the servers to answer", error, self.health_timeout_s
+        )
+        deadline = time.monotonic() + self.health_timeout_s
+        while not all((await client.health()).values()):
+            if self.control.should_stop():
+                return  # the run ended (its servers go with it): nothing to recover
+            if time.monotonic() > deadline:
+                raise error
+            await asyncio.sleep(1.0)
+        await client.continue_()
+        served = protocol.version_label(self.current.policy_version) if self.current else None
+        info = await client.model_info()
+        stale = [url for url, answer in info.items() if answer.get("weight_version") != served]
+        if stale and self.current is not None:
+            local = await asyncio.to_thread(self.fetch, self.current)
+            await client.update_weights_from_disk(
+                str(local), self.current.policy_version, urls=stale
+            )
+        log.info(
+            "servers answer again; %d reloaded policy version %s",
+            len(stale), self.current.policy_version if self.current else "-",
+        )  # fmt: skip
 
     def _report(self, gate: StalenessGate, version: int) -> None:
         self.status.update(

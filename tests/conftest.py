@@ -195,3 +195,26 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
     get_client(uri)
     return uri
+
+
+# ---------------------------------------------------------------- docker
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def sluice_image() -> str:
+    """Sluice's own image, `sluice:local`, built from this checkout by
+    `infra/docker/image.sh` (minutes the first time; nothing when it is up to date).
+    Skips with the reason where no Docker engine answers."""
+    import subprocess
+
+    from infra.docker_servers import ServerLaunchError, docker_client
+
+    try:
+        docker_client()
+    except ServerLaunchError as exc:
+        pytest.skip(str(exc))
+    subprocess.run(["bash", "infra/docker/image.sh"], cwd=REPO_ROOT, check=True, timeout=1800)
+    return "sluice:local"

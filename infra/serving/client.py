@@ -155,16 +155,24 @@ class InferenceClient:
             ) from exc
 
     async def _broadcast(
-        self, method: str, path: str, body: Mapping[str, Any] | None = None
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        urls: Sequence[str] | None = None,
     ) -> dict[str, Any]:
+        targets = self.base_urls if urls is None else [u.rstrip("/") for u in urls]
+        unknown = [u for u in targets if u not in self._in_flight]
+        if unknown:
+            raise ValueError(f"not servers of this client: {', '.join(unknown)}")
         results = await asyncio.gather(
-            *(self._request(url, method, path, body) for url in self.base_urls),
+            *(self._request(url, method, path, body) for url in targets),
             return_exceptions=True,
         )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return dict(zip(self.base_urls, results, strict=True))
+        return dict(zip(targets, results, strict=True))
 
     # ------------------------------------------------------------ generation
 
@@ -271,9 +279,15 @@ class InferenceClient:
         await self._broadcast("POST", protocol.CONTINUE_GENERATION, {})
 
     async def update_weights_from_disk(
-        self, path: str, version: int, *, abort_all_requests: bool = False
+        self,
+        path: str,
+        version: int,
+        *,
+        abort_all_requests: bool = False,
+        urls: Sequence[str] | None = None,
     ) -> dict[str, int]:
-        """Load the checkpoint at ``path`` (visible to every server) as policy ``version``.
+        """Load the checkpoint at ``path`` (visible to every server) as policy ``version``
+        on every server, or on ``urls`` only.
 
         Returns each server's count of requests paused across the update.
         """
@@ -282,7 +296,7 @@ class InferenceClient:
             weight_version=protocol.version_label(int(version)),
             abort_all_requests=abort_all_requests,
         )
-        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_DISK, body)
+        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_DISK, body, urls)
         paused: dict[str, int] = {}
         for url, answer in answers.items():
             if not isinstance(answer, dict) or not answer.get("success"):

@@ -1,7 +1,9 @@
-"""prefect.yaml deploys as the README says against a real local `prefect server start`."""
+"""prefect.yaml deploys as the README says against a real local `prefect server start`;
+its Docker deployment runs a short job to completion in a container of Sluice's image."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -77,24 +79,94 @@ def prefect_server(tmp_path_factory):
     server.wait(30)
 
 
+def api(env, path, body=None):
+    """GET `path` of the server's API, or POST `body` (JSON) to it."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        env["PREFECT_API_URL"] + path, data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def create_pools(env):
+    """The two work pools prefect.yaml names (each made once per server)."""
+    existing = {p["name"] for p in api(env, "/work_pools/filter", {})}
+    for name, kind in (("sluice-process", "process"), ("sluice-docker", "docker")):
+        if name not in existing:
+            made = prefect("work-pool", "create", name, "--type", kind, env=env)
+            assert made.returncode == 0, made.stdout + made.stderr
+
+
 def test_deploy_all_creates_train_and_scheduled_reproduce(prefect_server):
     env = prefect_server
-    made = prefect("work-pool", "create", "sluice-process", "--type", "process", env=env)
-    assert made.returncode == 0, made.stderr
+    create_pools(env)
     deployed = prefect("--no-prompt", "deploy", "--all", env=env, timeout=300)
     assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
 
-    def get(path):
-        request = urllib.request.Request(
-            env["PREFECT_API_URL"] + path, data=b"{}", headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
-
-    deployments = {d["name"]: d for d in get("/deployments/filter")}
-    assert {"train", "train-sync", "reproduce-nightly"} <= set(deployments)
+    deployments = {d["name"]: d for d in api(env, "/deployments/filter", {})}
+    assert {"train", "train-docker", "train-sync", "reproduce-nightly"} <= set(deployments)
     assert deployments["train"]["work_pool_name"] == "sluice-process"
+    assert deployments["train-docker"]["work_pool_name"] == "sluice-docker"
     schedules = deployments["reproduce-nightly"]["schedules"]
     assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
     # The pull step points at this checkout, so a process worker runs this code.
     assert str(REPO) in json.dumps(deployments["train"]["pull_steps"])
+
+
+@pytest.mark.docker
+def test_a_docker_worker_runs_train_docker_to_completion_in_sluice_image(
+    prefect_server, sluice_image, tmp_path
+):
+    from infra.config import load_config
+    from infra.registry import CheckpointRegistry
+    from tasks.common import registered_model_name
+    from tests.flows.conftest import tiny_run_overrides
+
+    env = prefect_server
+    create_pools(env)
+    deployed = prefect("--no-prompt", "deploy", "--name", "train-docker", env=env, timeout=300)
+    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+    deployment = api(env, "/deployments/name/sluice-train/train-docker")
+    assert deployment["job_variables"]["image"] == sluice_image
+
+    # A tiny run whose files all live under tmp_path, mounted at the same path, so this
+    # test reads what the container wrote.
+    config = load_config("default", tiny_run_overrides(tmp_path))
+    run = api(
+        env,
+        f"/deployments/{deployment['id']}/create_flow_run",
+        {
+            "parameters": {"config": config.model_dump(mode="json"), "run_id": "indocker"},
+            "job_variables": {"volumes": [f"{tmp_path}:{tmp_path}"]},
+        },
+    )
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "sluice-docker"],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 900
+        state = api(env, f"/flow_runs/{run['id']}")["state"]
+        while state["type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            assert worker.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(2)
+            state = api(env, f"/flow_runs/{run['id']}")["state"]
+    finally:
+        worker.terminate()
+        worker.wait(60)
+    output = log_path.read_text()
+    assert state["type"] == "COMPLETED", f"{state['message']}\n{output[-3000:]}"
+
+    # The job ran in a container: the worker recorded it as `<engine url>:<container id>`,
+    # and the run's versions are in the MLflow store the container wrote.
+    flow_run = api(env, f"/flow_runs/{run['id']}")
+    assert re.fullmatch(r".+:[0-9a-f]{64}", flow_run["infrastructure_pid"] or ""), flow_run
+    registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, "indocker"))
+    assert [v.policy_version for v in registry.versions()] == [0, 1, 2, 3]

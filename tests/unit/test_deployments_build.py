@@ -39,7 +39,13 @@ def prefect_yaml_deployments():
 
 
 def test_serve_builds_the_deployments_prefect_yaml_declares(deployments):
-    declared = prefect_yaml_deployments()
+    # train-docker runs on a Docker work pool, in Sluice's image; `sluice serve` runs
+    # every flow in its own process, so it serves the others.
+    declared = {
+        name: spec
+        for name, spec in prefect_yaml_deployments().items()
+        if spec["work_pool"]["name"] != "sluice-docker"
+    }
     assert set(deployments) == set(declared) == {"train", "train-sync", "reproduce-nightly"}
     for name, spec in declared.items():
         # prefect.yaml names a file (flows/train.py:train); serve names the module.

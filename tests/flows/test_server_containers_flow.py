@@ -1,0 +1,86 @@
+"""`sluice train` with `servers.launch=docker`: the rollouts go through Sluice's server
+in a container on host networking; a server killed mid-run is restarted and the run
+finishes; nothing of the run is left running afterwards."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from infra.config import load_config
+from infra.registry import CheckpointRegistry
+from tasks.common import read_statuses, registered_model_name, run_paths
+from tests.flows.conftest import tiny_run_overrides
+
+pytestmark = [pytest.mark.flows, pytest.mark.docker]
+
+
+def kill_server_when_generating(config, run_id: str, killed: list[str], stop: threading.Event):
+    """Kill the run's server container once it has loaded a policy version past the first
+    (so the restarted one, which starts from the first, must be brought forward)."""
+    import docker
+
+    from infra.docker_servers import LABEL
+
+    client = docker.from_env()
+    paths = run_paths(config, run_id)
+    while not stop.is_set():
+        if read_statuses(config, paths).get("rollout", {}).get("weight_updates", 0) >= 1:
+            for container in client.containers.list(filters={"label": f"{LABEL}={run_id}"}):
+                container.kill()
+                killed.append(container.name)
+            return
+        time.sleep(0.2)
+
+
+def test_rollouts_go_through_a_server_container_that_is_restarted_after_a_kill(
+    prefect_api, sluice_image, tmp_path
+):
+    import docker
+
+    from flows.train import train
+    from infra.docker_servers import LABEL
+
+    run_id = "served"
+    config = load_config(
+        "default",
+        tiny_run_overrides(tmp_path, **{"servers.launch": "docker", "trainer.total_steps": 30}),
+    )
+    killed: list[str] = []
+    stop = threading.Event()
+    killer = threading.Thread(
+        target=kill_server_when_generating, args=(config, run_id, killed, stop), daemon=True
+    )
+    killer.start()
+    try:
+        state = train(config, run_id=run_id, return_state=True)
+    finally:
+        stop.set()
+        killer.join(timeout=10)
+    assert state.is_completed(), state.message
+
+    # The run trained to its last version with the server killed once on the way.
+    registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, run_id))
+    assert registry.latest().policy_version == 30
+    assert killed == [f"sluice-{run_id}-server-0"]
+    rollout = read_statuses(config, run_paths(config, run_id))["rollout"]
+    assert rollout["server_recoveries"] >= 1
+    assert rollout["weight_updates"] >= 1
+
+    # Generation ran in the containers, not in a server of the rollout role's own: the
+    # first container's log ends at the kill, the second's at the end of the run.
+    logs = tmp_path / "work" / "runs" / run_id / "logs"
+    assert not (logs / "inference-server.log").exists()
+    before_kill = (logs / "inference-server-0.restart1.log").read_text()
+    after_restart = (logs / "inference-server-0.log").read_text()
+    assert "POST /generate" in before_kill
+    # The restarted server came up on the run's first weights and was brought to the
+    # served version before it generated again.
+    first_update = after_restart.index("POST /update_weights_from_disk")
+    assert "POST /generate" not in after_restart[:first_update]
+    assert "POST /generate" in after_restart[first_update:]
+
+    left = docker.from_env().containers.list(all=True, filters={"label": f"{LABEL}={run_id}"})
+    assert left == []
