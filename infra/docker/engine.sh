@@ -9,6 +9,7 @@
 # 2. If the base image ($SLUICE_BASE_IMAGE, default sluice-base:bookworm) is missing,
 #    build it: a minimal Debian bookworm with python3 and python3-venv from the mirror
 #    apt already uses (debootstrap, about a minute), imported as an image.
+# 3. Install docker-compose (apt) if missing, for the compose stack's test.
 # Exits 0 with the engine reachable and the image present, else non-zero with one line.
 set -euo pipefail
 image=${SLUICE_BASE_IMAGE:-sluice-base:bookworm}
@@ -25,6 +26,15 @@ if ! docker info >/dev/null 2>&1; then
     >"${TMPDIR:-/tmp}/sluice-dockerd.log" 2>&1 &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || fail "dockerd did not answer in 60 s (see ${TMPDIR:-/tmp}/sluice-dockerd.log)"
+fi
+
+# Compose for the stack's test (tests/integration/test_compose_stack.py): Debian's is
+# Compose v1, which reads infra/docker/compose.yaml as it is.
+if ! command -v docker-compose >/dev/null && [ "$(id -u)" = 0 ]; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+         apt-get install -y -qq docker-compose >/dev/null 2>&1; } \
+    || echo "engine.sh: apt could not install docker-compose; the compose test will skip" >&2
 fi
 
 docker image inspect "$image" >/dev/null 2>&1 && exit 0
