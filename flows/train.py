@@ -22,6 +22,7 @@ from prefect import flow, get_run_logger
 
 from flows.run_helpers import (
     ROLE_TASK_NAMES,
+    claim_new_run,
     new_run_id,
     role_launcher,
     run_roles,
@@ -85,7 +86,11 @@ def train(
             raise ResumeError("resume needs the run id of an earlier run")
         run_id = run_id or new_run_id(config)
         paths = run_paths(config, run_id)
-        previous_mlflow_run = prepare_resume(config, run_id) if resume else None
+        if resume:
+            previous_mlflow_run = prepare_resume(config, run_id)
+        else:
+            claim_new_run(config, run_id)
+            previous_mlflow_run = None
         mlflow_run_id = start_or_resume_run(
             config.tracking.uri,
             config.tracking.experiment,

@@ -15,6 +15,7 @@ from prefect import flow
 
 from flows.run_helpers import (
     ROLE_TASK_NAMES,
+    claim_new_run,
     new_run_id,
     role_launcher,
     run_roles,
@@ -39,6 +40,7 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
                 f"{config.servers.launch} applies to the asynchronous `train` flow only"
             )
         run_id = run_id or new_run_id(config)
+        claim_new_run(config, run_id)
         mlflow_run_id = start_or_resume_run(
             config.tracking.uri,
             config.tracking.experiment,

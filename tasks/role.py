@@ -66,9 +66,14 @@ class Role:
         except StopRequested:
             log.info("%s stopped before there was anything to do", role.name)
             role.status.update(force=True, state="stopped")
+        finally:
+            role.close()
 
     def run(self) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the role holds beyond its process (run once `run` returns or fails)."""
 
     # ------------------------------------------------------------ where things are
 

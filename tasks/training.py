@@ -1,9 +1,10 @@
 """What the two training roles share: the asynchronous train role and the colocated sync loop.
 
-Both build the same trainer from the run config, start from the newest durable policy
-version, commit each published version to the registry only once its checkpoint is
-durable, and leave the same end state: the run's done marker once the last step is
-trained, and a final status document.
+Both hold the run's trainer lease (one trainer per run, infra/lease.py), build the
+same trainer from the run config, start from the newest durable policy version, commit
+each published version to the registry only once its checkpoint is durable, and leave
+the same end state: the run's done marker once the last step is trained, and a final
+status document.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from engines.advantages import AdvantageFn, make_advantage_fn
 from engines.trainer import PolicyTrainer
 from infra.checkpoints import save_checkpoint
 from infra.config import RunConfig
+from infra.lease import StorageLease
 from infra.registry import CommittedVersion
+from tasks.common import filesystem
 from tasks.role import Role
 from tasks.trainer_ranks import build_rank_trainer, join, start_following_ranks
 
@@ -49,6 +52,13 @@ def advantage_fn(config: RunConfig) -> AdvantageFn:
     return make_advantage_fn(**config.trainer.advantage.model_dump())
 
 
+TRAINER_LEASE = "trainer.lease.json"
+"""Control-dir document of the run's trainer lease."""
+LEASE_TTL_S = 60.0
+"""A dead trainer's lease expires this long after its last renewal (a restart on the
+same host takes it over at once)."""
+
+
 class TrainingRole(Role):
     """A role that trains the policy and publishes its versions."""
 
@@ -56,19 +66,40 @@ class TrainingRole(Role):
     finished_note = ""
     """Appended to the done marker's reason ("trained N steps{note}")."""
 
+    lease: StorageLease | None = None
+
+    def claim_run(self) -> None:
+        """Hold the run's trainer lease (`LeaseHeld` if a live trainer has it), renewed
+        in the background until the role ends."""
+        fs, path = filesystem(self.config, f"{self.paths.control}/{TRAINER_LEASE}")
+        self.lease = StorageLease(
+            fs, path, what=f"the trainer lease of run {self.run_id}", ttl_s=LEASE_TTL_S
+        )
+        self.lease.acquire()
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def start_version(self) -> CommittedVersion:
-        """The newest durable policy version, the one training goes on from.
+        """The newest durable policy version, the one training goes on from (taken with
+        the run's trainer lease).
 
         A crash between creating a version in the registry and moving the alias leaves
         the alias one version behind; moving it forward first (`sync_alias`) makes a
         resumed role continue from the newest durable version, not retrain into a
         version number that is already taken.
         """
+        self.claim_run()
         first = self.wait_for_first_version()
         return self.registry.sync_alias() or first
 
     def commit_version(self, local: Path, version: int, tags: dict[str, Any]) -> str:
-        """Upload the checkpoint in `local`, then commit it as `version`; returns its URI."""
+        """Upload the checkpoint in `local`, then commit it as `version`; returns its URI.
+        A role whose lease was taken over commits nothing (`LeaseLost`)."""
+        if self.lease is not None:
+            self.lease.check()
         uri = save_checkpoint(
             local, self.paths.checkpoint(version), storage_options=self.config.storage.options
         )
