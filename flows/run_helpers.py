@@ -182,10 +182,14 @@ def progress_line(
     )
 
 
-def run_roles(roles: list[str], task_names: dict[str, str], *args: Any) -> dict[str, Any]:
-    """One Prefect task per role, each supervising its own OS process."""
+def run_roles(
+    roles: list[str], task_names: dict[str, str], retries: int, *args: Any
+) -> dict[str, Any]:
+    """One Prefect task per role, each supervising its own OS process, restarted up to
+    `retries` times."""
     return {
-        role: run_role.with_options(name=task_names[role]).submit(role, *args) for role in roles
+        role: run_role.with_options(name=task_names[role], retries=retries).submit(role, *args)
+        for role in roles
     }
 
 

@@ -117,7 +117,13 @@ def train(
         roles = [r for r in ROLES if r != "evaluate" or config.evaluation.during_run]
         with planned_servers(config, run_id) as ports:  # servers.launch=docker: containers
             futures = run_roles(
-                roles, ROLE_TASK_NAMES, str(config_path), run_id, mlflow_run_id, log_dir
+                roles,
+                ROLE_TASK_NAMES,
+                config.role_retries,
+                str(config_path),
+                run_id,
+                mlflow_run_id,
+                log_dir,
             )
             if ports:
                 futures["servers"] = serve_inference.submit(

@@ -54,7 +54,9 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
         roles = ["sync", "evaluate"] if config.evaluation.during_run else ["sync"]
         names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
-        futures = run_roles(roles, names, str(config_path), run_id, mlflow_run_id, log_dir)
+        futures = run_roles(
+            roles, names, config.role_retries, str(config_path), run_id, mlflow_run_id, log_dir
+        )
         watch_progress(config, run_id, futures, started=started)
     for future in futures.values():
         future.result()

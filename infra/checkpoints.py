@@ -35,6 +35,7 @@ from typing import IO, Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from infra.failpoints import failpoint
 from infra.storage import (
     TEMP_PREFIX,
     is_local,
@@ -319,8 +320,10 @@ def _put_files(
     `stamps` are (size, mtime) taken before the files were hashed: a file written to
     while it was hashed or uploaded would not match its manifest entry.
     """
-    for rel, full in files:
+    for index, (rel, full) in enumerate(files):
         put_file(fs, full, f"{root}/{rel}")
+        if index == 0:
+            failpoint("checkpoint.mid_upload")
     for (_rel, full), stamp in zip(files, stamps, strict=True):
         if _stamp(full) != stamp:
             raise CheckpointError(

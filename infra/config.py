@@ -365,6 +365,8 @@ class RunConfig(BaseModel):
     """Where every role computes: the embedded inference server, the trainer, the sync baseline and evaluation. `auto` = cuda when a GPU is visible, else cpu."""
     threads_per_role: int | None = Field(None, ge=1, le=1024)
     """torch intra-op threads of each role process (inference server, trainer, evaluator). None = half the CPU cores (at least 1), since generation and training run side by side; the colocated sync baseline takes all cores. More threads than cores makes every role spin and slows the run several-fold."""
+    role_retries: int = Field(2, ge=0, le=10000)
+    """Times a role whose process failed (crashed, killed, an outage it could not ride out) is started again before the run fails; each restart resumes from the role's ledger and the registry."""
     model: ModelConfig = ModelConfig()
     """The policy model."""
     problem: ProblemConfig = ProblemConfig()

@@ -42,6 +42,7 @@ from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, ConfigDict
 
 from infra.checkpoints import canonical_url, verify_checkpoint
+from infra.failpoints import failpoint
 from infra.tracking import get_client
 
 TAG_POLICY_VERSION = "sluice.policy_version"
@@ -268,6 +269,7 @@ class CheckpointRegistry:
             )
         committed = _as_committed(created)
         assert committed is not None
+        failpoint("registry.before_alias")
         self._move_alias_forward(committed)
         return committed
 
