@@ -15,11 +15,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engines.inference.types import PauseMode
-from infra.config_overrides import ConfigError, apply_override
+from infra.config_overrides import ConfigError, apply_override, read_config_file
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "flows" / "configs"
 
@@ -472,17 +471,7 @@ def load_config(
     resolved = resolve_config_path(str(path)) if path is not None else None
     if resolved is not None:
         source = str(resolved)
-        try:
-            loaded = yaml.safe_load(resolved.read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{source}:{where} is not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: top level must be a mapping of config sections")
-        data = loaded
+        data = read_config_file(resolved)
     for assignment in overrides:
         apply_override(data, assignment)
     if overrides:

@@ -39,9 +39,17 @@ def _init_worker(spec: str, correct: float, incorrect: float) -> None:
     _worker_verifier = load_verifier(spec, correct_reward=correct, incorrect_reward=incorrect)
 
 
+def _worker_ready() -> bool:
+    return _worker_verifier is not None
+
+
 def _score_in_worker(row: dict[str, Any], text: str) -> float:
     assert _worker_verifier is not None
     return float(_worker_verifier(row, text))
+
+
+WORKER_START_TIMEOUT_S = 120.0
+"""How long a fresh verifier pool may take to start its workers."""
 
 
 class VerifierPool:
@@ -82,27 +90,49 @@ class VerifierPool:
                 initializer=_init_worker,
                 initargs=(self.spec, self.correct, self.incorrect),
             )
+            # Start every worker before any deadline runs: spawning one and loading its
+            # verifier takes seconds, which no call's time limit should pay for.
+            ready = [self._pool.submit(_worker_ready) for _ in range(self.workers)]
+            cf.wait(ready, timeout=WORKER_START_TIMEOUT_S)
         return self._pool
 
     def score(self, rows: list[dict[str, Any]], texts: list[str]) -> list[float]:
         if self.inline:
             return [float(self.verifier(row, text)) for row, text in zip(rows, texts, strict=True)]
-        pool = self._executor()
         score_one = self.verifier if self.threads else _score_in_worker
-        futures = [pool.submit(score_one, row, text) for row, text in zip(rows, texts, strict=True)]
-        deadline = time.monotonic() + self.timeout_s
-        scores, hung = [], False
+        try:
+            pool = self._executor()
+            futures = [
+                pool.submit(score_one, row, text) for row, text in zip(rows, texts, strict=True)
+            ]
+        except cf.BrokenExecutor:  # a worker died since the last batch: a fresh pool
+            self.close()
+            pool = self._executor()
+            futures = [
+                pool.submit(score_one, row, text) for row, text in zip(rows, texts, strict=True)
+            ]
+        # `timeout_s` is per call: the calls run `workers` at a time, so the batch's
+        # deadline is one limit per wave of calls.
+        waves = -(-len(futures) // max(1, self.workers))
+        deadline = time.monotonic() + self.timeout_s * waves
+        scores, broken = [], False
         for future in futures:
             try:
                 scores.append(float(future.result(timeout=max(0.0, deadline - time.monotonic()))))
             except cf.TimeoutError:
                 scores.append(self.incorrect)
                 self.timeouts += 1
-                hung = True
-            except Exception as err:  # a verifier must not take the role down
-                log.warning("verifier raised %s; scoring %s", err, self.incorrect)
+                broken = True
+            except cf.BrokenExecutor:  # the verifier killed its worker process (os._exit, a crash)
+                log.warning("a verifier worker died; scoring %s", self.incorrect)
                 scores.append(self.incorrect)
-        if hung and not self.threads:  # worker processes stuck in user code: replace them
+                broken = True
+            except BaseException as err:  # noqa: BLE001 - sys.exit() in a verifier included
+                if isinstance(err, KeyboardInterrupt):
+                    raise
+                log.warning("verifier raised %r; scoring %s", err, self.incorrect)
+                scores.append(self.incorrect)
+        if broken and not self.threads:  # worker processes stuck or gone: replace them
             self.close()
         return scores
 

@@ -89,24 +89,26 @@ def load_dataset_rows(path: str | Path, *, task: str | None = None) -> list[Prom
     suffix = where.suffix.lower()
     rows: list[PromptRow] = []
     if suffix == ".jsonl":
-        with where.open("r", encoding="utf-8") as handle:
-            line_no = 0
-            try:
-                for line_no, line in enumerate(handle, start=1):  # noqa: B007 - used after loop
-                    if not line.strip():
-                        continue
-                    loc = f"{where}: line {line_no}"
-                    try:
-                        raw = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DatasetFormatError(
-                            f"{loc}: not valid JSON ({exc.msg} at column {exc.colno})"
-                        ) from None
-                    rows.append(_normalise_row(raw, loc, len(rows), default_task, stem))
-            except UnicodeDecodeError as exc:
-                raise DatasetFormatError(
-                    f"{where}: line {line_no + 1}: not valid UTF-8 ({exc.reason})"
-                ) from None
+        # Bytes, decoded line by line: a text-mode reader decodes ahead in chunks, so the
+        # line a decoding error names would not be the line that holds the bad bytes.
+        with where.open("rb") as handle:
+            for line_no, data in enumerate(handle, start=1):
+                loc = f"{where}: line {line_no}"
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DatasetFormatError(
+                        f"{loc}: not valid UTF-8 ({exc.reason} at column {exc.start + 1})"
+                    ) from None
+                if not line.strip():
+                    continue
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DatasetFormatError(
+                        f"{loc}: not valid JSON ({exc.msg} at column {exc.colno})"
+                    ) from None
+                rows.append(_normalise_row(raw, loc, len(rows), default_task, stem))
     elif suffix == ".parquet":
         import pyarrow.parquet as pq  # lazy: only dataset runs need pyarrow
 

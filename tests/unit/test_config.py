@@ -74,6 +74,16 @@ def test_bad_yaml_file_names_file_and_line(tmp_path):
         load_config(bad)
 
 
+def test_a_config_that_is_not_text_or_not_a_file_gets_one_line(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"trainer:\n  lr: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"binary.yaml: not UTF-8 text .* at byte 15"):
+        load_config(binary)
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ConfigError, match="adir: cannot be read"):
+        load_config(tmp_path / "adir")
+
+
 def test_non_mapping_yaml_is_rejected(tmp_path):
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")

@@ -109,6 +109,9 @@ def test_jsonl_rows_keep_extra_fields_and_get_ids(tmp_path):
         ('{"prompt": 5, "answer": "4"}', "line 2: field 'prompt' must be a non-empty string"),
         ('{"prompt": "x", "answer": [4]}', "line 2: field 'answer' must be a string or number"),
         ('["x", "4"]', "line 2: expected an object"),
+        ('{"prompt": "  ", "answer": "4"}', "line 2: field 'prompt' must be a non-empty string"),
+        ('{"prompt": "x", "answer": true}', "line 2: field 'answer' .*got bool"),
+        ('{"prompt": "x", "answer": NaN}', "line 2: field 'answer' is not a finite number"),
     ],
 )
 def test_malformed_jsonl_row_names_file_and_line(tmp_path, bad_line, message):
@@ -120,6 +123,16 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path, bad_line, message):
         load_dataset_rows(path)
     assert "data.jsonl" in str(err.value)
     assert path.read_bytes() == before
+
+
+def test_bytes_that_are_not_utf8_are_named_by_their_own_line(tmp_path):
+    # Enough good lines before the bad one that a chunked text reader would have
+    # decoded past several of them before failing.
+    good = "\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(400))
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(good.encode() + b'\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetFormatError, match=r"data.jsonl: line 401: not valid UTF-8"):
+        load_dataset_rows(path)
 
 
 def test_parquet_rows_and_malformed_parquet(tmp_path):
