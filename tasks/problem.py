@@ -8,6 +8,7 @@ like with like).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,38 @@ def load_policy_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+MAX_DRAWS = 64
+"""Prompts drawn for one group before a run whose prompts never fit gives up."""
+
+
+def policy_context(model_dir: str | Path) -> int:
+    """Prompt plus response tokens a policy's inference engine holds per sequence: the
+    model's positions, at most 2048 (the embedded engine's default)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings") or 2048), 2048)
+
+
 class PromptSource:
-    """The run's prompt sequence and its tokenization."""
+    """The run's prompt sequence and its tokenization.
+
+    With `max_prompt_tokens` set, a prompt that would leave the engine no room to
+    generate is passed over for the next draw of the same group (seeded by the group and
+    the draw, so a re-issued group gets the same prompt again); `skipped_too_long`
+    counts them.
+    """
 
     def __init__(self, config: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None):
         self.config = config
         self.problem = build_problem(config)
         self.tokenizer = tokenizer
+        self.max_prompt_tokens: int | None = None
+        self.skipped_too_long = 0
 
-    def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def set_tokenizer(
+        self, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
 
     def encode_prompt(self, row: dict[str, Any]) -> list[int]:
         if self.tokenizer is None:
@@ -51,13 +74,22 @@ class PromptSource:
         ids = self.tokenizer(self.problem.format_prompt(row))["input_ids"]
         return [int(i) for i in ids]
 
-    def train_row(self, index: int) -> dict[str, Any]:
-        rng = np.random.default_rng([self.config.seed, index])
-        return self.problem.sample_prompts(1, rng, "train")[0]
+    def train_row(self, index: int, draw: int = 0) -> dict[str, Any]:
+        seed = [self.config.seed, index] if draw == 0 else [self.config.seed, index, draw]
+        return self.problem.sample_prompts(1, np.random.default_rng(seed), "train")[0]
 
     def train_prompt(self, index: int) -> tuple[dict[str, Any], list[int]]:
-        row = self.train_row(index)
-        return row, self.encode_prompt(row)
+        for draw in range(MAX_DRAWS):
+            row = self.train_row(index, draw)
+            ids = self.encode_prompt(row)
+            if self.max_prompt_tokens is None or len(ids) <= self.max_prompt_tokens:
+                return row, ids
+            self.skipped_too_long += 1
+        raise ValueError(
+            f"group {index}: {MAX_DRAWS} prompts in a row are longer than "
+            f"{self.max_prompt_tokens} tokens, the most the policy's context leaves room "
+            "for; the dataset's prompts do not fit this model"
+        )
 
     def eval_rows(self) -> list[dict[str, Any]]:
         """The fixed held-out prompts every evaluation of the run uses."""

@@ -38,7 +38,7 @@ from infra.streams.reader import StreamReader
 from infra.streams.schema import table_from_rows
 from tasks.common import ROLLOUTS
 from tasks.inference_server import EmbeddedServer, launched_server_urls
-from tasks.problem import PromptSource, load_policy_tokenizer
+from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.role import Role
 
 log = logging.getLogger("sluice.rollout")
@@ -211,7 +211,8 @@ class RolloutRole(Role):
         cfg = self.config
         self.current = self.wait_for_first_version(timeout_s=FIRST_VERSION_TIMEOUT_S)
         local = self.fetch(self.current)
-        self.prompts.set_tokenizer(load_policy_tokenizer(local))
+        # A prompt must leave the engine room for at least one token.
+        self.prompts.set_tokenizer(load_policy_tokenizer(local), policy_context(local) - 1)
         early = self.server
         if early is not None and early.weight_version != self.current.policy_version:
             # Started from the flow's start document; the registry moved on since.
@@ -358,5 +359,6 @@ class RolloutRole(Role):
             policy_version=version,
             groups_accepted=gate.accepted,
             groups_in_flight=gate.in_flight,
+            prompts_skipped_too_long=self.prompts.skipped_too_long,
             **self.stats.as_status(),
         )

@@ -24,7 +24,7 @@ from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.tracking import log_metrics
 from tasks.common import Background
-from tasks.problem import PromptSource, load_policy_tokenizer
+from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.training import TrainingRole, advantage_fn, build_trainer
 
 
@@ -76,7 +76,8 @@ class SyncRole(TrainingRole):
         model_dir = fetch_checkpoint(
             latest.checkpoint_uri, local_root / "init", storage_options=cfg.storage.options
         )
-        source = PromptSource(cfg, load_policy_tokenizer(model_dir))
+        source = PromptSource(cfg)
+        source.set_tokenizer(load_policy_tokenizer(model_dir), policy_context(model_dir) - 1)
         verifier = load_verifier(
             cfg.reward.verifier,
             correct_reward=cfg.reward.correct_reward,

@@ -204,3 +204,30 @@ def test_warm_start_references_mix_worked_sums_and_bare_answers():
 def test_warm_start_references_can_be_all_worked():
     rows = LongTailSum(direct_answer_fraction=0.0).sample_warmstart_prompts(200, seed=3)
     assert {r["solution_style"] for r in rows} == {"worked"}
+
+
+def test_prompts_too_long_for_the_context_are_passed_over_the_same_way_every_time(
+    tmp_path, tiny_dir, local_run_config
+):
+    from tasks.problem import PromptSource, load_policy_tokenizer
+
+    rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "long " * 400, "answer": "x"}]
+    path = _write_jsonl(tmp_path / "mixed.jsonl", [json.dumps(r) for r in rows])
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", [json.dumps(rows[0])])
+    config = local_run_config(tmp_path, f"problem.dataset={path}", f"evaluation.dataset={held_out}")
+    source = PromptSource(config)
+    source.set_tokenizer(load_policy_tokenizer(tiny_dir), max_prompt_tokens=300)
+    picked = [source.train_prompt(index) for index in range(20)]
+    assert all(row["prompt"] == "1+1?" and len(ids) <= 300 for row, ids in picked)
+    assert source.skipped_too_long > 0  # some groups drew the long one first
+    again = PromptSource(config)
+    again.set_tokenizer(load_policy_tokenizer(tiny_dir), max_prompt_tokens=300)
+    assert [again.train_prompt(i)[1] for i in range(20)] == [ids for _, ids in picked]
+
+    only_long = _write_jsonl(tmp_path / "long.jsonl", [json.dumps(rows[1])])
+    hopeless = PromptSource(
+        local_run_config(tmp_path, f"problem.dataset={only_long}", f"evaluation.dataset={held_out}")
+    )
+    hopeless.set_tokenizer(load_policy_tokenizer(tiny_dir), max_prompt_tokens=300)
+    with pytest.raises(ValueError, match="group 0: 64 prompts in a row are longer than 300"):
+        hopeless.train_prompt(0)
