@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from engines.sandbox import RUNNER_ENV, SandboxResult, classify, make_payload, runner_source
+from infra.lease import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class DockerSandbox:
         for container in self.client.containers.list(all=True, filters={"label": LABEL}):
             owner_host, _, rest = container.labels.get(LABEL, "").partition(":")
             pid = rest.partition(":")[0]
-            if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
                 self._remove(container)
 
     def _remove_used(self) -> None:
@@ -353,13 +354,3 @@ class DockerSandbox:
             memory_killed=oom or report["returncode"] == -9,
             output_limited=bool(report["over"]),
         )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

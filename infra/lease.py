@@ -49,7 +49,7 @@ class LeaseLost(RuntimeError):
     """The lease passed to another owner while this one held it."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process `pid` of this host still runs (a zombie, killed but not yet
     reaped by its parent, does not)."""
     try:
@@ -118,7 +118,7 @@ class StorageLease:
         if float(document.get("expires_at", 0)) <= time.time():
             return True
         same_host = document.get("host") == socket.gethostname()
-        return same_host and not _pid_alive(int(document.get("pid", -1)))
+        return same_host and not pid_alive(int(document.get("pid", -1)))
 
     def _refusal(self, document: dict[str, Any]) -> LeaseHeld:
         left = float(document.get("expires_at", 0)) - time.time()

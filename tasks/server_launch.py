@@ -9,6 +9,7 @@ containers themselves are `infra.docker_servers`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,8 @@ from infra.docker_servers import (
 )
 from tasks.common import RunControl, role_threads, run_paths, run_registry
 from tasks.inference_server import free_port, write_launched_servers
+
+log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
 
@@ -85,7 +88,10 @@ def planned_servers(config: RunConfig, run_id: str) -> Iterator[list[int]]:
     try:
         yield ports
     finally:
-        remove_run_servers(run_id)
+        try:
+            remove_run_servers(run_id)
+        except Exception as exc:  # the engine went away: say so, keep the run's own error
+            log.warning("could not remove the inference server containers of %s: %s", run_id, exc)
 
 
 def run_servers(

@@ -5,38 +5,22 @@ never names an incomplete checkpoint."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.benchmarks.bench_load import BUCKET, S3_ENV, S3Server, registry_load, stream_load
+from tests.benchmarks.bench_load import registry_load, stream_load
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    saved = {k: os.environ.get(k) for k in S3_ENV}
-    os.environ.update(S3_ENV)
-    server = S3Server()
-    yield f"s3://{BUCKET}/runs", server.options()
-    server.close()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def test_four_writers_and_two_consumers_lose_and_duplicate_nothing(s3_server) -> None:
-    root, options = s3_server
+def test_four_writers_and_two_consumers_lose_and_duplicate_nothing(s3_root) -> None:
+    root, options = s3_root
     load = stream_load(root, options, writers=4, shards_each=40)
     assert load.shards == 160
     assert (load.lost, load.duplicated) == (0, 0)
 
 
-def test_alias_polls_during_commits_never_go_back_or_see_a_partial_checkpoint(s3_server) -> None:
-    root, options = s3_server
+def test_alias_polls_during_commits_never_go_back_or_see_a_partial_checkpoint(s3_root) -> None:
+    root, options = s3_root
     load = registry_load(root, options, versions=6, pollers=3)
     assert load.polls > load.versions
     assert (load.regressions, load.incomplete, load.missed_last) == (0, 0, 0)
