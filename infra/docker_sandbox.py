@@ -218,8 +218,12 @@ class DockerSandbox:
     def _remove_orphans(self) -> None:
         """Remove sandbox containers whose owning process on this host is gone."""
         host = socket.gethostname()
-        for container in self.client.containers.list(all=True, filters={"label": LABEL}):
-            owner_host, _, rest = container.labels.get(LABEL, "").partition(":")
+        # Sparse: a full listing inspects each container, and one removed in the
+        # background between the listing and its inspection would raise NotFound.
+        listed = self.client.containers.list(all=True, sparse=True, filters={"label": LABEL})
+        for container in listed:
+            labels = container.attrs.get("Labels") or {}
+            owner_host, _, rest = labels.get(LABEL, "").partition(":")
             pid = rest.partition(":")[0]
             if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
                 self._remove(container)
@@ -242,9 +246,9 @@ class DockerSandbox:
                 self._remove(self._pool.get_nowait())
             except queue.Empty:
                 break
-        for container in self.client.containers.list(all=True, filters={"label": LABEL}):
-            if container.labels.get(LABEL) == self._owner:
-                self._remove(container)
+        mine = {"label": f"{LABEL}={self._owner}"}
+        for container in self.client.containers.list(all=True, sparse=True, filters=mine):
+            self._remove(container)
 
     def __enter__(self) -> DockerSandbox:
         return self

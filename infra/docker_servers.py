@@ -148,7 +148,7 @@ def docker_client() -> Any:
 def remove_run_servers(run_id: str, client: Any = None) -> int:
     """Remove every server container of ``run_id``; returns how many there were."""
     client = client or docker_client()
-    found = client.containers.list(all=True, filters={"label": f"{LABEL}={run_id}"})
+    found = client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL}={run_id}"})
     for container in found:
         try:
             container.remove(force=True)

@@ -58,7 +58,10 @@ def test_containers_left_by_a_dead_owner_are_removed(sandbox) -> None:
         sandbox.image, ["true"], labels={LABEL: f"{socket.gethostname()}:{gone.pid}:0"}
     )
     DockerSandbox(sandbox.image, pool_size=1).close()
-    left = [c.id for c in sandbox.client.containers.list(all=True, filters={"label": LABEL})]
+    left = [
+        c.id
+        for c in sandbox.client.containers.list(all=True, sparse=True, filters={"label": LABEL})
+    ]
     assert orphan.id not in left
 
 
