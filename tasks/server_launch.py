@@ -55,6 +55,7 @@ def server_specs(
 ) -> list[ServerSpec]:
     launch = config.servers
     per = launch.gpus_per_server
+    mounts = server_mounts(config)
     return [
         ServerSpec(
             engine=launch.engine,
@@ -62,7 +63,7 @@ def server_specs(
             model_dir=str(model_dir.resolve()),
             port=port,
             weight_version=weight_version,
-            mounts=server_mounts(config),
+            mounts=mounts,
             gpus=tuple(range(i * per, (i + 1) * per)),
             seed=config.seed,
             dtype=config.rollout.dtype,
