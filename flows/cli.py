@@ -282,17 +282,24 @@ def fail(err: Exception | str, code: int = 2) -> int:
 
 
 def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
-    if sync:
-        from flows.train_sync import train_sync
+    from infra.outages import EXIT_OUTAGE
+    from tasks.supervise import ServiceOutage, quiet_outage_tracebacks
 
-        result = train_sync(config)
-    else:
-        from flows.train import ResumeError, train
+    quiet_outage_tracebacks()
+    try:
+        if sync:
+            from flows.train_sync import train_sync
 
-        try:
-            result = train(config, run_id=resume, resume=bool(resume))
-        except ResumeError as err:
-            return fail(err)
+            result = train_sync(config)
+        else:
+            from flows.train import ResumeError, train
+
+            try:
+                result = train(config, run_id=resume, resume=bool(resume))
+            except ResumeError as err:
+                return fail(err)
+    except ServiceOutage as err:
+        return fail(err, EXIT_OUTAGE)
     print_where_to_look(config, result)
     return 0
 

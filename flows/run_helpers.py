@@ -11,19 +11,23 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.config import RunConfig
+from infra.outages import outage_cause
 from infra.storage import exists
 from tasks.common import RunControl, filesystem, read_json, read_statuses, run_paths, write_json
 from tasks.launch import close_launcher, warm_launcher
-from tasks.supervise import run_role
+from tasks.supervise import ServiceOutage, forget_stop, run_role, stop_roles
+
+T = TypeVar("T")
 
 ROLE_TASK_NAMES = {
     "rollout": "generate-rollouts",
@@ -183,12 +187,21 @@ def progress_line(
 
 
 def run_roles(
-    roles: list[str], task_names: dict[str, str], retries: int, *args: Any
+    roles: list[str],
+    task_names: dict[str, str],
+    retries: int,
+    config_path: str,
+    run_id: str,
+    mlflow_run_id: str,
+    log_dir: str,
 ) -> dict[str, Any]:
     """One Prefect task per role, each supervising its own OS process, restarted up to
-    `retries` times."""
+    `retries` times (an outage the roles wait out costs none)."""
+    forget_stop(run_id)
     return {
-        role: run_role.with_options(name=task_names[role], retries=retries).submit(role, *args)
+        role: run_role.with_options(name=task_names[role], retries=retries).submit(
+            role, config_path, run_id, mlflow_run_id, log_dir
+        )
         for role in roles
     }
 
@@ -214,13 +227,16 @@ def watch_progress(
     pace = StepPace()
     last_state = ""
     control = RunControl(config, paths)
+    statuses: dict[str, dict[str, Any]] = {}
+    stopping = False
     while not all(f.state.is_final() for f in futures.values()):
         time.sleep(interval_s if budget is None else min(interval_s, 0.5))
         if budget is not None and time.monotonic() - started >= budget:
-            if control.done_marker() is None:
-                control.mark_done(f"time budget of {budget:g} s reached")
+            if best_effort(control.done_marker, None) is None:
+                best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
             budget = None
-        statuses = read_statuses(config, paths)
+        # Storage may be what failed: the last statuses read stand in meanwhile.
+        statuses = best_effort(partial(read_statuses, config, paths), statuses) or {}
         train = statuses.get("train", {})
         pace.observe(train)
         step = train.get("step", 0)
@@ -242,5 +258,36 @@ def watch_progress(
             print(progress_line(statuses, total, elapsed, eta), flush=True)
             last_state = state
         failed = [r for r, f in futures.items() if f.state.is_failed()]
-        if failed:  # one role failed for good: stop the others so the run ends
-            control.mark_done(f"role failed: {', '.join(failed)}")
+        if failed and not stopping:  # one role failed for good: stop the others
+            stopping = True
+            stop_roles(run_id)
+            best_effort(partial(control.mark_done, f"role failed: {', '.join(failed)}"))
+
+
+def best_effort(read: Callable[[], T], default: T | None = None) -> T | None:
+    """`read()`, or `default` when storage does not answer (the watch outlives an outage)."""
+    try:
+        return read()
+    except Exception as err:  # noqa: BLE001 - anything but an outage is re-raised
+        if outage_cause(err) is None:
+            raise
+        return default
+
+
+def role_results(futures: dict[str, Any]) -> None:
+    """Wait for every role task; raise the reason the run stopped, if it did not finish.
+
+    An outage that outlasted the wait is raised before the failures it caused (a role
+    stopped by another's outage would otherwise name a symptom).
+    """
+    errors = []
+    for future in futures.values():
+        try:
+            future.result()
+        except Exception as err:  # noqa: BLE001 - re-raised below, the most telling first
+            errors.append(err)
+    for err in errors:
+        if isinstance(err, ServiceOutage):
+            raise err
+    if errors:
+        raise errors[0]

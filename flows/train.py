@@ -25,6 +25,7 @@ from flows.run_helpers import (
     claim_new_run,
     new_run_id,
     role_launcher,
+    role_results,
     run_roles,
     watch_progress,
     write_resolved_config,
@@ -130,6 +131,5 @@ def train(
                     config.model_dump(mode="json"), run_id, ports
                 )
             watch_progress(config, run_id, futures, started=started)
-    for future in futures.values():
-        future.result()  # raises if a role failed after its retries
+    role_results(futures)  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

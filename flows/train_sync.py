@@ -18,6 +18,7 @@ from flows.run_helpers import (
     claim_new_run,
     new_run_id,
     role_launcher,
+    role_results,
     run_roles,
     watch_progress,
     write_resolved_config,
@@ -58,6 +59,5 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
             roles, names, config.role_retries, str(config_path), run_id, mlflow_run_id, log_dir
         )
         watch_progress(config, run_id, futures, started=started)
-    for future in futures.values():
-        future.result()
+    role_results(futures)
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)

@@ -42,6 +42,15 @@ mistaking a temp file for data."""
 # Backends whose put_file never leaves a partial object (one PUT, or an aborted multipart).
 _ATOMIC_PUT_FILE_PROTOCOLS = frozenset({"s3", "s3a"})
 _COPY_CHUNK_BYTES = 8 * 1024 * 1024
+S3_CLIENT_CONFIG: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "retries": {"mode": "standard", "max_attempts": 4},
+}
+"""botocore settings of every S3 client: a throttled, failing or unreachable request is
+retried with exponential backoff and jitter (`standard` mode; s3fs retries timeouts on
+top), and a hung endpoint is given up on in minutes rather than the default's tens of
+minutes, so an outage longer than the retries reaches the role (infra/outages.py)."""
 
 
 def open_filesystem(
@@ -50,11 +59,13 @@ def open_filesystem(
     """The filesystem behind ``url`` and the path inside it (bare paths are local files).
 
     For S3 the listings cache is off unless ``storage_options`` says otherwise: a poller
-    must see objects committed after its first listing.
+    must see objects committed after its first listing. botocore's timeouts and retries
+    default to ``S3_CLIENT_CONFIG``; keys given in ``config_kwargs`` win.
     """
     options = dict(storage_options or {})
     if fsspec.utils.get_protocol(url) in ("s3", "s3a"):
         options.setdefault("use_listings_cache", False)
+        options["config_kwargs"] = {**S3_CLIENT_CONFIG, **options.get("config_kwargs", {})}
     fs, path = url_to_fs(url, **options)
     return fs, path
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infra.config import RunConfig
+from infra.outages import EXIT_OUTAGE, describe, outage_cause
 from infra.streams.errors import CorruptShardError
 from infra.streams.names import ShardRef
 from infra.streams.reader import StreamReader
@@ -30,6 +31,26 @@ if TYPE_CHECKING:
     from infra.registry import CommittedVersion
 
 log = logging.getLogger("sluice")
+
+
+def stop_on_outage(role: str, exc: BaseException) -> None:
+    """End the role process with `EXIT_OUTAGE` when `exc` is a service that stopped
+    answering (after its client's own retries); return otherwise.
+
+    One log line names what could not be reached; the traceback goes to debug. The
+    supervisor then waits for the service instead of restarting the role into it.
+    """
+    cause = outage_cause(exc)
+    if cause is None:
+        return
+    log.debug("%s: outage", role, exc_info=exc)
+    log.error(
+        "%s stops: a service stopped answering (%s); raised as %s",
+        role,
+        describe(cause),
+        describe(exc) if exc is not cause else "itself",
+    )
+    raise SystemExit(EXIT_OUTAGE) from None
 
 
 class StopRequested(Exception):
@@ -59,13 +80,20 @@ class Role:
     @classmethod
     def main(cls, config: RunConfig, run_id: str, mlflow_run_id: str, **options: Any) -> None:
         """A role process: build the role, stop it on SIGTERM/SIGINT, run it."""
-        role = cls(config, run_id, mlflow_run_id, **options)
+        try:
+            role = cls(config, run_id, mlflow_run_id, **options)
+        except Exception as exc:
+            stop_on_outage(cls.name, exc)
+            raise
         role.control.install_signal_handlers()
         try:
             role.run()
         except StopRequested:
             log.info("%s stopped before there was anything to do", role.name)
             role.status.update(force=True, state="stopped")
+        except Exception as exc:
+            stop_on_outage(role.name, exc)
+            raise
         finally:
             role.close()
 

@@ -1,0 +1,160 @@
+"""A persistent outage of the object store, then of the tracking server, during a real
+`sluice train` on S3 (moto's server) and an MLflow server: each run stops with one line
+naming the service and `--resume`, and the resumed run finishes with clean books."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.bench_load import S3_ENV, S3Server
+from tests.soak.soak import MlflowServer, soak_overrides
+
+pytestmark = pytest.mark.integration
+
+STEPS = 9
+OUTAGE_TIMEOUT_S = 6
+
+
+class Cli:
+    """`sluice train` as a user runs it, its output collected line by line."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
+        self.lines: list[str] = []
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "train", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.process.stdout:  # type: ignore[union-attr]
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            pytest.fail("sluice train did not end:\n" + "\n".join(self.lines[-60:]))
+        self._reader.join(30)
+        return code
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def error_line(self) -> str:
+        """The CLI's one error line; no traceback may come with it."""
+        errors = [line for line in self.lines if line.startswith("sluice: error:")]
+        assert len(errors) == 1, self.output()[-4000:]
+        assert not any(line.startswith("Traceback") for line in self.lines), self.output()
+        return errors[0]
+
+
+def _step(config, run_id: str) -> int:
+    from tasks.common import read_statuses, run_paths
+
+    try:
+        return int(read_statuses(config, run_paths(config, run_id)).get("train", {}).get("step", 0))
+    except Exception:
+        return 0
+
+
+def _wait_for_step(cli: Cli, config, run_id: str, step: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _step(config, run_id) < step:
+        if cli.process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no step {step}:\n" + cli.output()[-4000:])
+        time.sleep(0.3)
+
+
+def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path) -> None:
+    from infra.config import load_config
+    from tasks.audit import audit_run
+
+    os.environ.update(S3_ENV)
+    s3 = S3Server()
+    mlflow = MlflowServer(tmp_path)
+    try:
+        overrides = soak_overrides(tmp_path, s3, mlflow, STEPS)
+        storage = {
+            "client_kwargs": s3.options()["client_kwargs"],
+            # Give up on a hung endpoint in seconds, not minutes: the test waits for it.
+            "config_kwargs": {
+                "connect_timeout": 2,
+                "read_timeout": 2,
+                "retries": {"max_attempts": 2},
+            },
+        }
+        overrides = [
+            o for o in overrides if not o.startswith(("storage.options=", "role_retries="))
+        ]
+        overrides += [
+            f"storage.options={json.dumps(storage)}",
+            f"outage_timeout_s={OUTAGE_TIMEOUT_S}",
+            "role_retries=0",  # an outage waited out must cost no retry
+        ]
+        config = load_config("default", overrides)
+        env = {
+            **os.environ,
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+            "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        }
+        args = [part for o in overrides for part in ("--set", o)]
+
+        first = Cli(args, tmp_path, env)
+        deadline = time.monotonic() + 120
+        while not (
+            found := [m for x in first.lines if (m := re.search(r"starting run (\S+):", x))]
+        ):
+            assert first.process.poll() is None and time.monotonic() < deadline, first.output()
+            time.sleep(0.2)
+        run_id = found[0].group(1)
+        _wait_for_step(first, config, run_id, 3)
+        os.kill(s3.process.pid, signal.SIGSTOP)  # hung, and stays hung until the run stops
+        try:
+            code = first.wait(300)
+        finally:
+            os.kill(s3.process.pid, signal.SIGCONT)
+        print(first.output()[-3000:])
+        assert code == 75, first.output()[-4000:]
+        line = first.error_line()
+        assert line.startswith(f"sluice: error: run {run_id} stopped: the object store s3://"), line
+        assert line.endswith(f"continue with: sluice train --resume {run_id}"), line
+        stopped_at = audit_run(config, run_id)
+        assert stopped_at.incomplete_versions == [] and stopped_at.duplicated == 0
+        assert stopped_at.versions == list(range(len(stopped_at.versions)))
+
+        second = Cli([*args, "--resume", run_id], tmp_path, env)
+        _wait_for_step(second, config, run_id, stopped_at.versions[-1] + 2)
+        mlflow.stop()  # refused, and stays down until the run stops
+        try:
+            code = second.wait(300)
+        finally:
+            mlflow.start()
+        print(second.output()[-3000:])
+        assert code == 75, second.output()[-4000:]
+        line = second.error_line()
+        assert line.startswith(f"sluice: error: run {run_id} stopped: the tracking server "), line
+
+        third = Cli([*args, "--resume", run_id], tmp_path, env)
+        assert third.wait(300) == 0, third.output()[-4000:]
+        audit = audit_run(config, run_id)
+        assert audit.problems() == [], audit.problems()
+    finally:
+        mlflow.stop()
+        s3.close()
