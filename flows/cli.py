@@ -282,10 +282,9 @@ def fail(err: Exception | str, code: int = 2) -> int:
 
 
 def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
-    from infra.outages import EXIT_OUTAGE
-    from tasks.supervise import ServiceOutage, quiet_outage_tracebacks
+    from tasks.supervise import RunStopped, quiet_run_stopped_tracebacks
 
-    quiet_outage_tracebacks()
+    quiet_run_stopped_tracebacks()
     try:
         if sync:
             from flows.train_sync import train_sync
@@ -298,8 +297,8 @@ def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) 
                 result = train(config, run_id=resume, resume=bool(resume))
             except ResumeError as err:
                 return fail(err)
-    except ServiceOutage as err:
-        return fail(err, EXIT_OUTAGE)
+    except RunStopped as err:  # an outage outlasted the wait, a checkpoint was damaged
+        return fail(err, err.exit_code)
     print_where_to_look(config, result)
     return 0
 

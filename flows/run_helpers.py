@@ -25,7 +25,7 @@ from infra.outages import outage_cause
 from infra.storage import exists
 from tasks.common import RunControl, filesystem, read_json, read_statuses, run_paths, write_json
 from tasks.launch import close_launcher, warm_launcher
-from tasks.supervise import ServiceOutage, forget_stop, run_role, stop_roles
+from tasks.supervise import RunStopped, forget_stop, run_role, stop_roles
 
 T = TypeVar("T")
 
@@ -277,8 +277,8 @@ def best_effort(read: Callable[[], T], default: T | None = None) -> T | None:
 def role_results(futures: dict[str, Any]) -> None:
     """Wait for every role task; raise the reason the run stopped, if it did not finish.
 
-    An outage that outlasted the wait is raised before the failures it caused (a role
-    stopped by another's outage would otherwise name a symptom).
+    `RunStopped` (an outage that outlasted the wait, a damaged checkpoint) is raised
+    before the failures it caused, which would name a symptom.
     """
     errors = []
     for future in futures.values():
@@ -287,7 +287,7 @@ def role_results(futures: dict[str, Any]) -> None:
         except Exception as err:  # noqa: BLE001 - re-raised below, the most telling first
             errors.append(err)
     for err in errors:
-        if isinstance(err, ServiceOutage):
+        if isinstance(err, RunStopped):
             raise err
     if errors:
         raise errors[0]

@@ -33,6 +33,7 @@ from engines.inference.types import GenerationRequest, SamplingParams
 from engines.model import resolve_device
 from engines.verifiers import load_verifier
 from infra.checkpoint_cache import fetch_checkpoint
+from infra.checkpoints import CheckpointIncomplete
 from infra.config import RunConfig
 from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from infra.tracking import log_metrics
@@ -219,9 +220,20 @@ class EvaluateRole(Role):
                     break
                 continue
             target = choose_target(wanted, finished)
-            metrics = evaluate_checkpoint(
-                cfg, self.run_id, target.policy_version, target.checkpoint_uri
-            )
+            try:
+                metrics = evaluate_checkpoint(
+                    cfg, self.run_id, target.policy_version, target.checkpoint_uri
+                )
+            except CheckpointIncomplete as err:
+                # Deleted or altered after its commit (a lifecycle rule, a person): the
+                # held-out curve goes on without this point; training does not need it.
+                log.error("policy version %d not evaluated: %s", target.policy_version, err)
+                done[target.policy_version] = {"unreadable": True}
+                self.status.update(
+                    force=True,
+                    versions_unreadable=sum("unreadable" in m for m in done.values()),
+                )
+                continue
             record(cfg, registry, self.mlflow_run_id, target, metrics)
             done[target.policy_version] = metrics
             history.append((target.policy_version, metrics["eval/reward"]))

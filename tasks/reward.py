@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from engines.samples import score_table
 from engines.verifiers import load_verifier
 from infra.checkpoint_cache import fetch_checkpoint
+from infra.checkpoints import CheckpointIncomplete
 from infra.config import RunConfig
 from infra.streams.names import ShardRef
 from tasks.common import ROLLOUTS, SCORED
@@ -192,11 +193,23 @@ class RewardRole(Role):
         # Every version carries the run's tokenizer; version 0's never changes, so a
         # restarted role finds it in its cache instead of downloading the newest weights.
         source = self.registry.get(0) or first
-        local = fetch_checkpoint(
-            source.checkpoint_uri,
-            self.local_dir("reward-tokenizer"),
-            storage_options=cfg.storage.options,
-        )
+        try:
+            local = fetch_checkpoint(
+                source.checkpoint_uri,
+                self.local_dir("reward-tokenizer"),
+                storage_options=cfg.storage.options,
+            )
+        except CheckpointIncomplete as err:
+            if source.policy_version == first.policy_version:
+                raise
+            # Version 0 deleted after its commit (old checkpoints expire): any other
+            # version carries the same tokenizer.
+            log.warning("version 0 cannot be read (%s); the tokenizer comes from the newest", err)
+            local = fetch_checkpoint(
+                first.checkpoint_uri,
+                self.local_dir("reward-tokenizer"),
+                storage_options=cfg.storage.options,
+            )
         tokenizer = load_policy_tokenizer(local)
 
         def decode(ids: list[int]) -> str:

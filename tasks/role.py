@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.checkpoints import CheckpointIncomplete
 from infra.config import RunConfig
 from infra.outages import EXIT_OUTAGE, describe, outage_cause
 from infra.streams.errors import CorruptShardError
@@ -33,24 +34,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 
-def stop_on_outage(role: str, exc: BaseException) -> None:
-    """End the role process with `EXIT_OUTAGE` when `exc` is a service that stopped
-    answering (after its client's own retries); return otherwise.
+EXIT_DAMAGED = 65
+"""Exit code of a role process that found a committed checkpoint damaged (EX_DATAERR):
+deleted or altered after its commit. Restarting cannot repair it; the run stops."""
+OUTAGE_MARK = "a service stopped answering"
+DAMAGED_MARK = "a committed checkpoint is damaged: "
+"""What the role's last error line says, for its supervisor to find in the log."""
 
-    One log line names what could not be reached; the traceback goes to debug. The
-    supervisor then waits for the service instead of restarting the role into it.
+
+def stop_on_lasting_failure(role: str, exc: BaseException) -> None:
+    """End the role process with a code its supervisor acts on instead of restarting it:
+    `EXIT_OUTAGE` when a service stopped answering (after its client's own retries),
+    `EXIT_DAMAGED` when a committed checkpoint is missing a file or has a wrong one.
+    Returns for anything else (a crash, which the supervisor retries).
+
+    One log line names the cause; the traceback goes to debug.
     """
     cause = outage_cause(exc)
-    if cause is None:
-        return
-    log.debug("%s: outage", role, exc_info=exc)
-    log.error(
-        "%s stops: a service stopped answering (%s); raised as %s",
-        role,
-        describe(cause),
-        describe(exc) if exc is not cause else "itself",
-    )
-    raise SystemExit(EXIT_OUTAGE) from None
+    if cause is not None:
+        log.debug("%s: outage", role, exc_info=exc)
+        log.error(
+            f"%s stops: {OUTAGE_MARK} (%s); raised as %s",
+            role,
+            describe(cause),
+            describe(exc) if exc is not cause else "itself",
+        )
+        raise SystemExit(EXIT_OUTAGE) from None
+    if isinstance(exc, CheckpointIncomplete):
+        log.debug("%s: damaged checkpoint", role, exc_info=exc)
+        log.error(f"%s stops: {DAMAGED_MARK}%s", role, exc)
+        raise SystemExit(EXIT_DAMAGED) from None
 
 
 class StopRequested(Exception):
@@ -83,7 +96,7 @@ class Role:
         try:
             role = cls(config, run_id, mlflow_run_id, **options)
         except Exception as exc:
-            stop_on_outage(cls.name, exc)
+            stop_on_lasting_failure(cls.name, exc)
             raise
         role.control.install_signal_handlers()
         try:
@@ -92,7 +105,7 @@ class Role:
             log.info("%s stopped before there was anything to do", role.name)
             role.status.update(force=True, state="stopped")
         except Exception as exc:
-            stop_on_outage(role.name, exc)
+            stop_on_lasting_failure(role.name, exc)
             raise
         finally:
             role.close()

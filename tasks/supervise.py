@@ -32,6 +32,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.config import RunConfig
 from infra.outages import EXIT_OUTAGE, probe_storage, probe_tracking
 from tasks.launch import start_role
+from tasks.role import DAMAGED_MARK, EXIT_DAMAGED, OUTAGE_MARK
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -43,37 +44,53 @@ class RoleFailed(RuntimeError):
     """A role process exited with an error."""
 
 
-class ServiceOutage(RuntimeError):
+class RunStopped(RuntimeError):
+    """A role met what no restart can cure; the run stops with this one-line message."""
+
+    exit_code = 1
+    """What `sluice train` exits with."""
+
+
+class ServiceOutage(RunStopped):
     """The object store or the tracking server did not answer for longer than the run
     waits (`outage_timeout_s`): the run stops, to be continued with `--resume`."""
 
+    exit_code = EXIT_OUTAGE
 
-class OutageWithoutTraceback(logging.Filter):
-    """Drop the traceback Prefect logs with a task or flow that ended in `ServiceOutage`.
+
+class CheckpointDamaged(RunStopped):
+    """A committed checkpoint the run needs lost a file or had one altered after its
+    commit (outside Sluice): the run stops until it is restored."""
+
+    exit_code = EXIT_DAMAGED
+
+
+class StopWithoutTraceback(logging.Filter):
+    """Drop the traceback Prefect logs with a task or flow that ended in `RunStopped`.
 
     Its message says what stopped and how to continue; the traceback through Prefect's
     engine and this supervisor says nothing more and buries that line.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], ServiceOutage):
+        if record.exc_info and isinstance(record.exc_info[1], RunStopped):
             record.exc_info = None
             record.exc_text = None
         return True
 
 
-def quiet_outage_tracebacks() -> None:
-    """Install `OutageWithoutTraceback` on Prefect's task-run and flow-run loggers."""
+def quiet_run_stopped_tracebacks() -> None:
+    """Install `StopWithoutTraceback` on Prefect's task-run and flow-run loggers."""
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, OutageWithoutTraceback) for f in logger.filters):
-            logger.addFilter(OutageWithoutTraceback())
+        if not any(isinstance(f, StopWithoutTraceback) for f in logger.filters):
+            logger.addFilter(StopWithoutTraceback())
 
 
 def may_retry(_task: object, _task_run: object, state: object) -> bool:
-    """Prefect's retry condition for role tasks: everything but an outage that outlasted
-    the wait (retrying it would only wait again, role by role)."""
-    return not isinstance(getattr(state, "data", None), ServiceOutage)
+    """Prefect's retry condition for role tasks: everything but `RunStopped` (an outage
+    that outlasted the wait, a damaged checkpoint: a retry would only meet it again)."""
+    return not isinstance(getattr(state, "data", None), RunStopped)
 
 
 # ---------------------------------------------------------------- stopping every role
@@ -129,10 +146,10 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def _outage_line(log_path: Path) -> str:
-    """The line the role logged when it stopped on an outage (`tasks.role.stop_on_outage`)."""
+def _marked_line(log_path: Path, mark: str) -> str:
+    """The end of the last line of the role's log that holds `mark` (from the mark on)."""
     lines = _tail(log_path, 40).splitlines()
-    found = [line for line in lines if "a service stopped answering" in line]
+    found = [line[line.index(mark) :] for line in lines if mark in line]
     return (found or lines or ["(no log)"])[-1].strip()
 
 
@@ -220,6 +237,17 @@ def supervise_role(
         code = _run_once(command, log_path, run_id, stop_grace_s)
         if code is None or code == 0:
             return 0
+        if code == EXIT_DAMAGED:
+            again = (
+                "start the synchronous run again"
+                if role == "sync"
+                else (f"continue with: sluice train --resume {run_id}")
+            )
+            raise CheckpointDamaged(
+                f"run {run_id} stopped: {_marked_line(log_path, DAMAGED_MARK)}. It changed "
+                f"after its commit (deleted or overwritten outside Sluice); restore it, then "
+                f"{again}"
+            )
         if code != EXIT_OUTAGE:
             raise RoleFailed(
                 f"{role} process exited with code {code}; last lines of {log_path}:\n"
@@ -228,7 +256,7 @@ def supervise_role(
         ended = time.monotonic()
         if streak_started is None or ended - started >= config.outage_timeout_s:
             streak_started = ended
-        log.warning("%s stopped on an outage: %s", role, _outage_line(log_path))
+        log.warning("%s stopped on an outage: %s", role, _marked_line(log_path, OUTAGE_MARK))
         if not wait_for_services(config, role, run_id, streak_started, log):
             return 0
         log.info("%s: the services answer again; starting it again", role)

@@ -7,7 +7,9 @@ ordered only as well as their clocks agree; exactly-once does not depend on it (
 shards with older names are still offered, first in line). A shard that cannot be parsed,
 lacks the core columns, has a wrong schema version or belongs to another stream is moved
 to ``{prefix}/_quarantine/`` with a logged reason (invariant 4): ``read`` raises
-``CorruptShardError`` and the caller moves on to the next shard.
+``CorruptShardError`` and the caller moves on to the next shard. A shard listed and
+then deleted outside Sluice before it was read is skipped the same way, with a reason
+file in quarantine standing in for it.
 
 A consumer that crashes between ``read`` and ``ack`` is offered the shard again after
 restart; see ``infra.streams.ledger`` for how acks are kept.
@@ -38,6 +40,9 @@ from infra.streams.prefix import StreamPrefix
 from infra.streams.schema import trajectory_schema, validate_table
 
 logger = logging.getLogger(__name__)
+
+REASON_SUFFIX = ".reason.txt"
+"""Beside each quarantined shard (or alone, for a shard deleted outside Sluice): why."""
 
 
 @dataclass
@@ -148,8 +153,9 @@ class StreamReader:
     def read(self, ref: ShardRef) -> pa.Table:
         """The shard's rows, validated; the shard is then pending until acked or released.
 
-        Raises ``CorruptShardError`` (shard moved to ``_quarantine/``, continue with the next
-        one) or ``StreamStorageError`` (storage trouble: nothing moved, retry later).
+        Raises ``CorruptShardError`` (shard moved to ``_quarantine/``, or gone: continue
+        with the next one) or ``StreamStorageError`` (storage trouble: nothing moved,
+        retry later).
         """
         path = f"{self._storage.prefix}/{ref.name}"
         try:
@@ -161,9 +167,7 @@ class StreamReader:
                 raise CorruptShardError(
                     ref, "already quarantined", self._storage.url_of(quarantined)
                 ) from error
-            raise StreamStorageError(
-                f"shard {ref.url} is listed but cannot be found (deleted outside Sluice?)"
-            ) from error
+            raise self._vanished(ref) from error
         try:
             table = pa.ipc.open_file(buffer).read_all()
             table.validate(full=True)
@@ -187,7 +191,7 @@ class StreamReader:
             )
             return CorruptShardError(ref, reason, None)
         with contextlib.suppress(StreamStorageError):
-            self._storage.put_atomic(f"{destination}.reason.txt", reason.encode())
+            self._storage.put_atomic(f"{destination}{REASON_SUFFIX}", reason.encode())
         quarantine_url = self._storage.url_of(destination)
         logger.error(
             "quarantined corrupt shard %s of stream %s: %s -> %s",
@@ -197,6 +201,21 @@ class StreamReader:
             quarantine_url,
         )
         return CorruptShardError(ref, reason, quarantine_url)
+
+    def _vanished(self, ref: ShardRef) -> CorruptShardError:
+        """A shard listed, then gone before it was read: deleted outside Sluice.
+
+        Treated like a corrupt one (its groups are lost, the stream goes on), with a
+        reason file in quarantine standing in for it, so every consumer and the trainer
+        waiting on its groups learn the same (`quarantined_tags`).
+        """
+        reason = "listed, then deleted outside Sluice before it was read"
+        self._bad.add(ref.name)
+        note = f"{self._quarantine_dir}/{ref.name}{REASON_SUFFIX}"
+        with contextlib.suppress(StreamStorageError):
+            self._storage.put_atomic(note, reason.encode())
+        logger.error("shard %s of stream %s: %s", ref.name, self._storage.prefix_url, reason)
+        return CorruptShardError(ref, reason, None)
 
     def read_next(self, max_groups: int | None = None, max_shards: int | None = None) -> ReadBatch:
         """Read the oldest unread shards, whole, as one table.
@@ -232,8 +251,13 @@ class StreamReader:
         return ReadBatch(table=table, refs=refs, quarantined=quarantined)
 
     def quarantined_tags(self) -> set[str]:
-        """Name tags of the shards moved to quarantine (one listing; compare `shard_key_tag`)."""
-        tags = (tag_of(name) for name in self._storage.list_names(self._quarantine_dir))
+        """Name tags of the shards moved to quarantine or found deleted (one listing;
+        compare `shard_key_tag`)."""
+        names = (
+            name.removesuffix(REASON_SUFFIX)
+            for name in self._storage.list_names(self._quarantine_dir)
+        )
+        tags = (tag_of(name) for name in names)
         return {tag for tag in tags if tag is not None}
 
     def pending(self) -> list[ShardRef]:

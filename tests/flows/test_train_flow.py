@@ -107,3 +107,45 @@ def test_resume_of_a_finished_run_says_what_to_raise(prefect_api, tmp_path):
     train(config, run_id="finished")
     with pytest.raises(ResumeError, match="raise trainer.total_steps"):
         train(config, run_id="finished", resume=True)
+
+
+def test_a_checkpoint_deleted_after_its_commit_stops_the_run_in_one_line_until_restored(
+    prefect_api, tmp_path
+):
+    """The newest version's weights deleted outside Sluice stop a resumed run in one line
+    (no role restarted into it); restored, the run goes on. Version 0's deleted weights
+    (old checkpoints expiring) cost nothing: the reward role takes the tokenizer from the
+    newest version."""
+    import shutil
+    from pathlib import Path
+
+    from flows.train import train
+    from tasks.supervise import CheckpointDamaged
+
+    first = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2}))
+    train(first, run_id="damaged")
+    checkpoints = tmp_path / "store" / "damaged" / "checkpoints"
+    newest = checkpoints / "v000002" / "model.safetensors"
+    kept = tmp_path / "kept.safetensors"
+    shutil.move(newest, kept)
+    (checkpoints / "v000000" / "model.safetensors").unlink()
+    for cache in (
+        "trainer",
+        "rollout-weights",
+        "eval-weights",
+        "reward-tokenizer",
+    ):  # a new machine
+        shutil.rmtree(Path(first.workdir) / "runs" / "damaged" / cache, ignore_errors=True)
+
+    longer = first.model_copy(deep=True)
+    longer.trainer.total_steps = 4
+    with pytest.raises(CheckpointDamaged) as stopped:
+        train(longer, run_id="damaged", resume=True)
+    message = str(stopped.value)
+    assert message.startswith("run damaged stopped: a committed checkpoint is damaged: ")
+    assert "v000002" in message and "model.safetensors" in message and "\n" not in message
+    assert message.endswith("restore it, then continue with: sluice train --resume damaged")
+
+    shutil.move(kept, newest)
+    resumed = train(longer, run_id="damaged", resume=True)
+    assert resumed["final_policy_version"] == 4

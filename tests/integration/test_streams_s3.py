@@ -19,6 +19,7 @@ from tests.unit.test_streams import (
     RUN,
     STREAM,
     make_table,
+    scenario_a_shard_deleted_after_listing_is_lost_not_fatal,
     scenario_corrupt_and_foreign_shards_are_quarantined,
     scenario_exactly_once_under_crashes,
     scenario_oldest_first,
@@ -46,6 +47,10 @@ def test_read_next_takes_whole_shards_up_to_max_groups_on_s3(s3_root: S3Root) ->
 
 def test_corrupt_and_foreign_shards_are_quarantined_on_s3(s3_root: S3Root) -> None:
     scenario_corrupt_and_foreign_shards_are_quarantined(*s3_root)
+
+
+def test_a_shard_deleted_after_listing_is_lost_not_fatal_on_s3(s3_root: S3Root) -> None:
+    scenario_a_shard_deleted_after_listing_is_lost_not_fatal(*s3_root)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -16,14 +16,15 @@ from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 from mlflow.exceptions import MlflowException
 from prefect.states import Failed
 
+from infra.checkpoints import CheckpointIncomplete
 from infra.outages import EXIT_OUTAGE, describe, outage_cause, probe_storage, probe_tracking
 from infra.registry import RegistryError
 from infra.streams.errors import StreamStorageError
-from tasks.role import stop_on_outage
+from tasks.role import DAMAGED_MARK, EXIT_DAMAGED, stop_on_lasting_failure
 from tasks.supervise import (
-    OutageWithoutTraceback,
     RoleFailed,
     ServiceOutage,
+    StopWithoutTraceback,
     forget_stop,
     may_retry,
     stop_roles,
@@ -119,10 +120,21 @@ def test_describe_is_one_short_line() -> None:
 
 def test_a_role_stops_with_the_outage_exit_code_only_for_an_outage(caplog) -> None:
     with pytest.raises(SystemExit) as stopped, caplog.at_level(logging.ERROR, "sluice"):
-        stop_on_outage("rollout", _raised(ConnectionRefusedError(111, "refused"), OSError("x")))
+        stop_on_lasting_failure(
+            "rollout", _raised(ConnectionRefusedError(111, "refused"), OSError("x"))
+        )
     assert stopped.value.code == EXIT_OUTAGE
     assert "rollout stops: a service stopped answering (ConnectionRefusedError" in caplog.text
-    assert stop_on_outage("rollout", ValueError("a bug")) is None  # the caller re-raises it
+    # Anything else is left to the caller, which re-raises it.
+    assert stop_on_lasting_failure("rollout", ValueError("a bug")) is None
+
+
+def test_a_role_that_finds_a_committed_checkpoint_damaged_stops_with_its_own_code(caplog) -> None:
+    damaged = CheckpointIncomplete("checkpoint file:///c/v000002 is missing model.safetensors")
+    with pytest.raises(SystemExit) as stopped, caplog.at_level(logging.ERROR, "sluice"):
+        stop_on_lasting_failure("train", damaged)
+    assert stopped.value.code == EXIT_DAMAGED
+    assert f"train stops: {DAMAGED_MARK}checkpoint file:///c/v000002 is missing" in caplog.text
 
 
 def test_probes_tell_an_answering_service_from_a_refused_or_hung_one(
@@ -185,7 +197,7 @@ def test_prefect_logs_an_outage_without_its_traceback() -> None:
             info = sys.exc_info()
         return logging.LogRecord("prefect.flow_runs", logging.ERROR, "f", 1, "failed", (), info)
 
-    quiet = OutageWithoutTraceback()
+    quiet = StopWithoutTraceback()
     outage, bug = record(ServiceOutage("run x stopped")), record(ValueError("bug"))
     assert quiet.filter(outage) and quiet.filter(bug)
     assert outage.exc_info is None

@@ -418,6 +418,34 @@ def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_be
     assert choose_target([version(0), version(4)], finished=False).policy_version == 0
 
 
+def test_evaluation_passes_over_a_version_whose_weights_were_deleted_and_counts_it(
+    config, tmp_path, tiny_dir
+):
+    from infra.checkpoints import save_checkpoint
+    from infra.tracking import get_metric_history, start_or_resume_run
+    from tasks.common import read_json, run_paths
+    from tasks.evaluate import EvaluateRole
+
+    config.trainer.total_steps, config.evaluation.every = 2, 1
+    config.evaluation.num_prompts, config.evaluation.greedy = 2, False
+    config.rollout.max_new_tokens = 4
+    mlflow_run = start_or_resume_run(config.tracking.uri, "evaluate", run_name="run")
+    role = EvaluateRole(config, "run", mlflow_run_id=mlflow_run)
+    for v in range(3):
+        url = f"{config.storage.url}/run/checkpoints/v{v:06d}"
+        role.registry.commit(v, save_checkpoint(tiny_dir, url))
+    # Expired, say, by a lifecycle rule: deleted after its commit.
+    (tmp_path / "store" / "run" / "checkpoints" / "v000001" / "model.safetensors").unlink()
+    role.control.mark_done("trained")
+
+    role.run()  # evaluates what it can and ends: no exception, no restart
+
+    steps = get_metric_history(config.tracking.uri, mlflow_run, "eval/reward")
+    assert [step for step, _ in steps] == [0, 2]
+    status = read_json(config, run_paths(config, "run").status("evaluate"))
+    assert status["versions_unreadable"] == 1 and status["state"] == "stopped"
+
+
 def test_a_signal_is_seen_without_reading_storage_but_the_done_marker_is_not(config):
     from tasks.common import RunControl, run_paths
 

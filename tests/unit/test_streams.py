@@ -276,6 +276,31 @@ def scenario_corrupt_and_foreign_shards_are_quarantined(root: str, options: Opti
     assert reader.read(after).num_rows == 4
 
 
+def scenario_a_shard_deleted_after_listing_is_lost_not_fatal(root: str, options: Options) -> None:
+    """A shard listed, then deleted behind Sluice's back, is skipped like a corrupt one:
+    the batch goes on without it, and a note in quarantine tells every consumer (and the
+    trainer waiting on its groups) that it is gone."""
+    rng = random.Random(7)
+    writer = StreamWriter(root, RUN, STREAM, "gen-0", storage_options=options)
+    kept, gone, last = (writer.write(make_table(rng, key)) for key in ("a", "b", "c"))
+    reader = StreamReader(root, RUN, STREAM, "trainer", storage_options=options)
+    assert reader.poll() == [kept, gone, last]
+    fs, path = shard_path(root, options, gone.name)
+    fs.rm_file(path)
+
+    assert reader.read(kept).num_rows == 4
+    with pytest.raises(CorruptShardError) as lost:
+        reader.read(gone)
+    assert "deleted outside Sluice" in lost.value.reason
+    assert lost.value.quarantine_url is None  # nothing left to move
+    assert reader.read(last).num_rows == 4  # the stream goes on
+    assert reader.quarantined_tags() == {gone.tag}
+    reader.ack(reader.pending())
+    assert reader.pending() == [] and reader.poll() == []
+    other = StreamReader(root, RUN, STREAM, "evaluator", storage_options=options)
+    assert other.poll() == [kept, last] and other.quarantined_tags() == {gone.tag}
+
+
 def scenario_exactly_once_under_crashes(
     root: str, options: Options, seed: int, steps: int = 60
 ) -> None:
@@ -431,6 +456,35 @@ def test_corrupt_and_foreign_shards_are_quarantined_and_stream_goes_on(
     with caplog.at_level(logging.ERROR, logger="infra.streams"):
         scenario_corrupt_and_foreign_shards_are_quarantined(*stream_root)
     assert sum("quarantined corrupt shard" in r.getMessage() for r in caplog.records) == 7
+
+
+def test_a_shard_deleted_after_listing_is_lost_not_fatal(
+    stream_root: tuple[str, Options], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="infra.streams"):
+        scenario_a_shard_deleted_after_listing_is_lost_not_fatal(*stream_root)
+    assert sum("deleted outside Sluice" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_corrupt_shard_that_cannot_be_moved_is_still_skipped(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = f"file://{tmp_path}"
+    writer = StreamWriter(root, RUN, STREAM, "gen-0")
+    good = writer.write(make_table(random.Random(8), "good"))
+    name = f"{good.commit_time_ns + 1:020d}-garbage-s00000000-g1-r4.arrow"
+    put_raw(root, None, name, b"not arrow")
+    (tmp_path / RUN / STREAM / "_quarantine").write_text("a file where the folder goes")
+    reader = StreamReader(root, RUN, STREAM, "trainer")
+    with caplog.at_level(logging.ERROR, logger="infra.streams"):
+        batch = reader.read_next()
+    assert batch.refs == [good]
+    (corrupt,) = batch.quarantined
+    assert corrupt.ref.name == name and corrupt.quarantine_url is None
+    assert "could not be quarantined" in caplog.text
+    reader.ack(batch.refs)
+    assert reader.poll() == []  # not offered again: the stream goes on
+    assert (tmp_path / RUN / STREAM / name).exists()  # left where it was, not lost
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
