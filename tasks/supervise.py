@@ -168,6 +168,13 @@ def _run_once(command: list[str], log_path: Path, run_id: str, stop_grace_s: flo
     return child.poll()
 
 
+def how_to_continue(role: str, run_id: str) -> str:
+    """The end of a `RunStopped` line: resume the run (the colocated baseline cannot)."""
+    if role == "sync":
+        return "start the synchronous run again"
+    return f"continue with: sluice train --resume {run_id}"
+
+
 def unanswered_services(config: RunConfig, probe_timeout_s: float = 10.0) -> dict[str, str]:
     """The run's services that do not answer now, each with why: `{"the object store
     s3://...": "ReadTimeoutError: ..."}`; empty when both answer."""
@@ -196,15 +203,11 @@ def wait_for_services(config: RunConfig, role: str, run_id: str, since: float, l
         waited = time.monotonic() - since
         if time.monotonic() >= deadline:
             services = " and ".join(f"{name} ({why})" for name, why in down.items())
-            again = (
-                "start the synchronous run again"
-                if role == "sync"
-                else f"continue with: sluice train --resume {run_id}"
-            )
             raise ServiceOutage(
                 f"run {run_id} stopped: {services} did not answer for {waited:.0f} s "
                 f"(outage_timeout_s={config.outage_timeout_s:g}; the {role} role cannot go "
-                f"on without it). Everything committed is kept; once it answers again, {again}"
+                f"on without it). Everything committed is kept; once it answers again, "
+                f"{how_to_continue(role, run_id)}"
             )
         log.warning("%s waits for %s (%.0f s so far)", role, ", ".join(down), waited)
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
@@ -238,15 +241,10 @@ def supervise_role(
         if code is None or code == 0:
             return 0
         if code == EXIT_DAMAGED:
-            again = (
-                "start the synchronous run again"
-                if role == "sync"
-                else (f"continue with: sluice train --resume {run_id}")
-            )
             raise CheckpointDamaged(
                 f"run {run_id} stopped: {_marked_line(log_path, DAMAGED_MARK)}. It changed "
                 f"after its commit (deleted or overwritten outside Sluice); restore it, then "
-                f"{again}"
+                f"{how_to_continue(role, run_id)}"
             )
         if code != EXIT_OUTAGE:
             raise RoleFailed(
