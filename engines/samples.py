@@ -156,9 +156,16 @@ def samples_from_table(
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
     behaviour = table.column("behaviour_logprobs").to_pylist()
+    masks = (
+        table.column("loss_mask").to_pylist()
+        if "loss_mask" in table.column_names
+        else [None] * table.num_rows
+    )
     keep = result.keep_samples.tolist()
     samples = [
-        TrainingSample(prompts[i], responses[i], behaviour[i], float(result.advantages[i]))
+        TrainingSample(
+            prompts[i], responses[i], behaviour[i], float(result.advantages[i]), masks[i]
+        )
         for i in range(table.num_rows)
         if keep[i]
     ]

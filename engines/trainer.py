@@ -62,6 +62,10 @@ class TrainingSample:
     """log π_behav of each response token, recorded by the inference engine."""
     advantage: float
     """The sample's advantage, broadcast to every response token."""
+    loss_mask: Sequence[int] | np.ndarray | None = None
+    """Per response token, 1 = trained and 0 = context only (a tool's observation in a
+    multi-turn episode: in the sequence the policy reads, never in the loss, the
+    importance ratio or the token count). None: every response token is trained."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class _Batch:
     response_lens: list[int]
     behaviour_logprobs: torch.Tensor  # flat over response tokens, in sample order
     advantages: torch.Tensor  # flat over response tokens
+    loss_mask: torch.Tensor  # flat over response tokens: which are trained
     response_offsets: list[int] = field(default_factory=list)  # start of each sample's tokens
 
     def __post_init__(self) -> None:
@@ -299,6 +304,7 @@ class PolicyTrainer:
         if not kept:
             raise ValueError("train_step got no sample with response tokens")
         sequences, prompt_lens, response_lens, behaviour, advantages = [], [], [], [], []
+        masks = []
         for s in kept:
             prompt = torch.as_tensor(np.asarray(s.prompt_token_ids), dtype=torch.int64)
             response = torch.as_tensor(np.asarray(s.response_token_ids), dtype=torch.int64)
@@ -316,8 +322,23 @@ class PolicyTrainer:
             response_lens.append(response.numel())
             behaviour.append(logprobs)
             advantages.append(torch.full((response.numel(),), float(s.advantage)))
+            if s.loss_mask is None:
+                masks.append(torch.ones(response.numel(), dtype=torch.bool))
+            else:
+                mask = torch.as_tensor(np.asarray(s.loss_mask), dtype=torch.bool)
+                if mask.numel() != response.numel():
+                    raise ValueError(
+                        f"a sample has {response.numel()} response tokens but a loss mask "
+                        f"of {mask.numel()}"
+                    )
+                masks.append(mask)
         return _Batch(
-            sequences, prompt_lens, response_lens, torch.cat(behaviour), torch.cat(advantages)
+            sequences,
+            prompt_lens,
+            response_lens,
+            torch.cat(behaviour),
+            torch.cat(advantages),
+            torch.cat(masks),
         )
 
     def _minibatch_loss(
@@ -358,7 +379,7 @@ class PolicyTrainer:
         batch = self.make_batch(samples)
         n = len(batch.sequences)
         response_cu = torch.tensor(batch.response_offsets, dtype=torch.int64)
-        loss_mask = torch.ones(batch.response_offsets[-1], dtype=torch.bool)
+        loss_mask = batch.loss_mask
 
         entropies: list[torch.Tensor] = []
         proximal = self.compute_logprobs(batch, entropies)
@@ -393,7 +414,8 @@ class PolicyTrainer:
             packed = [
                 pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan
             ]
-            token_counts = [sum(batch.response_lens[i] for i in mb) for mb in plan]
+            # Trained tokens only: a tool's observation tokens are not in the mean.
+            token_counts = [int(self._gather(batch, loss_mask, mb).sum()) for mb in plan]
             micro_batch_count += len(plan)
             loss_of = self._minibatch_loss(
                 batch,

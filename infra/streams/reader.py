@@ -37,7 +37,7 @@ from infra.streams.names import (
     tag_of,
 )
 from infra.streams.prefix import StreamPrefix
-from infra.streams.schema import trajectory_schema, validate_table
+from infra.streams.schema import trajectory_schema, upgrade_table, validate_table
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class StreamReader:
             table = pa.ipc.open_file(buffer).read_all()
             table.validate(full=True)
             validate_table(table, stream=self.stream)
+            table = upgrade_table(table)
         except Exception as error:  # noqa: BLE001 - any failure to decode bytes in hand is content
             reason = f"{type(error).__name__}: {error}"
             raise self._quarantine(ref, reason) from error

@@ -20,8 +20,15 @@ import pyarrow.compute as pc
 
 from infra.streams.errors import SchemaError
 
-SCHEMA_VERSION = "1"
-"""Version of the trajectory row layout; bump it when a core column changes meaning or type."""
+SCHEMA_VERSION = "2"
+"""Version of the trajectory row layout; bump it when a core column is added or changes
+meaning or type. 1: single-turn responses. 2: adds ``loss_mask`` (multi-turn episodes,
+whose tool observations sit among the response tokens but are never trained)."""
+READABLE_VERSIONS = ("1", "2")
+"""Layouts a reader accepts; an older shard is read as the current layout
+(``upgrade_table``), so shards written before an upgrade are still consumed."""
+ADDED_IN: dict[str, str] = {"loss_mask": "2"}
+"""Core columns that a layout before the named version does not have."""
 SCHEMA_VERSION_KEY = b"sluice.schema_version"
 STREAM_KEY = b"sluice.stream"
 WRITER_KEY = b"sluice.writer_id"
@@ -43,6 +50,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("task", pa.string(), nullable=False),
         pa.field("worker", pa.string(), nullable=False),
         pa.field("created_at", pa.timestamp("ms", tz="UTC"), nullable=False),
+        # Per response token, 1 = trained, 0 = not (a tool's observation tokens). Null:
+        # every token is trained (single-turn responses store nothing).
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=True),
     ],
     metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -50,7 +60,17 @@ TRAJECTORY_SCHEMA = pa.schema(
 
 CORE_COLUMNS: tuple[str, ...] = tuple(TRAJECTORY_SCHEMA.names)
 # Per-token columns of one response: equal length in every row, or the trainer misaligns them.
-PER_TOKEN_COLUMNS: tuple[str, ...] = ("response_token_ids", "behaviour_logprobs", "token_versions")
+PER_TOKEN_COLUMNS: tuple[str, ...] = (
+    "response_token_ids",
+    "behaviour_logprobs",
+    "token_versions",
+    "loss_mask",
+)
+
+
+def _core_fields(version: str) -> list[pa.Field]:
+    """The core columns of layout `version` (every readable one is an ordered prefix-set)."""
+    return [f for f in TRAJECTORY_SCHEMA if int(ADDED_IN.get(f.name, "1")) <= int(version)]
 
 
 def trajectory_schema(stream: str, extra_fields: Iterable[pa.Field] = ()) -> pa.Schema:
@@ -59,9 +79,9 @@ def trajectory_schema(stream: str, extra_fields: Iterable[pa.Field] = ()) -> pa.
     return pa.schema([*TRAJECTORY_SCHEMA, *extra_fields], metadata=metadata)
 
 
-def _schema_problems(schema: pa.Schema) -> list[str]:
+def _schema_problems(schema: pa.Schema, version: str = SCHEMA_VERSION) -> list[str]:
     problems = []
-    for core in TRAJECTORY_SCHEMA:
+    for core in _core_fields(version):
         index = schema.get_field_index(core.name)
         if index < 0:
             problems.append(f"missing core column {core.name!r} ({core.type})")
@@ -74,20 +94,27 @@ def _schema_problems(schema: pa.Schema) -> list[str]:
 
 def _row_problems(table: pa.Table) -> list[str]:
     problems = []
-    for core in TRAJECTORY_SCHEMA:
+    present = [core for core in TRAJECTORY_SCHEMA if core.name in table.column_names]
+    for core in present:
         if not core.nullable and table.column(core.name).null_count:
             problems.append(f"column {core.name!r} has {table.column(core.name).null_count} nulls")
     if problems:
         return problems
-    lengths = [pc.list_value_length(table.column(name)) for name in PER_TOKEN_COLUMNS]
-    for name, length in zip(PER_TOKEN_COLUMNS[1:], lengths[1:], strict=True):
-        mismatch = pc.not_equal(lengths[0], length)
+    per_token = [name for name in PER_TOKEN_COLUMNS if name in table.column_names]
+    lengths = [pc.list_value_length(table.column(name)) for name in per_token]
+    for name, length in zip(per_token[1:], lengths[1:], strict=True):
+        # A null loss_mask has no length: nothing to compare (every token is trained).
+        mismatch = pc.fill_null(pc.not_equal(lengths[0], length), False)
         if pc.any(mismatch).as_py():
             row = int(pc.index(mismatch, True).as_py())
             problems.append(
                 f"row {row}: {name!r} has {length[row].as_py()} entries but "
                 f"'response_token_ids' has {lengths[0][row].as_py()}"
             )
+    if "loss_mask" in table.column_names:
+        flags = pc.list_flatten(table.column("loss_mask"))
+        if len(flags) and pc.max(flags).as_py() > 1:
+            problems.append("column 'loss_mask' holds values other than 0 and 1")
     backwards = pc.greater(table.column("version_start"), table.column("version_end"))
     if pc.any(backwards).as_py():
         row = int(pc.index(backwards, True).as_py())
@@ -98,31 +125,52 @@ def _row_problems(table: pa.Table) -> list[str]:
 def validate_table(table: pa.Table, *, stream: str | None = None) -> None:
     """Raise ``SchemaError`` unless ``table`` holds valid trajectory rows.
 
-    Checks the core columns and their exact types (extras are allowed), nulls in
-    non-nullable core columns, equal per-token lengths and version order. With ``stream``
-    the schema metadata must also carry this Sluice's schema version and that stream name.
+    Checks the core columns of the table's layout and their exact types (extras are
+    allowed), nulls in non-nullable core columns, equal per-token lengths and version
+    order. With ``stream`` the schema metadata must also carry a schema version this
+    Sluice reads (``READABLE_VERSIONS``) and that stream name.
     """
     if not isinstance(table, pa.Table):
         raise SchemaError(f"expected a pyarrow.Table, got {type(table).__name__}")
     problems = []
+    metadata = table.schema.metadata or {}
+    raw_version = metadata.get(SCHEMA_VERSION_KEY)
+    version = SCHEMA_VERSION if raw_version is None else raw_version.decode(errors="replace")
     if stream is not None:
-        metadata = table.schema.metadata or {}
-        version = metadata.get(SCHEMA_VERSION_KEY)
-        if version is None:
+        if raw_version is None:
             problems.append("schema metadata has no sluice.schema_version (not a Sluice shard)")
-        elif version.decode(errors="replace") != SCHEMA_VERSION:
+        elif version not in READABLE_VERSIONS:
             problems.append(
-                f"schema version {version.decode(errors='replace')!r}, "
-                f"this Sluice reads {SCHEMA_VERSION!r}"
+                f"schema version {version!r}, this Sluice reads {', '.join(READABLE_VERSIONS)}"
             )
         shard_stream = metadata.get(STREAM_KEY, b"").decode(errors="replace")
-        if version is not None and shard_stream != stream:
+        if raw_version is not None and shard_stream != stream:
             problems.append(f"shard belongs to stream {shard_stream!r}, not {stream!r}")
-    problems += _schema_problems(table.schema)
+    if version not in READABLE_VERSIONS:
+        version = SCHEMA_VERSION
+    problems += _schema_problems(table.schema, version)
     if not problems:
         problems += _row_problems(table)
     if problems:
         raise SchemaError("; ".join(problems))
+
+
+def upgrade_table(table: pa.Table) -> pa.Table:
+    """A validated table of an older layout as the current one: core columns it lacks
+    are added as nulls, which mean what the older layout meant (``loss_mask`` null:
+    every token trained). The current layout comes back unchanged."""
+    for core in TRAJECTORY_SCHEMA:
+        if core.name not in table.column_names:
+            table = table.add_column(
+                TRAJECTORY_SCHEMA.get_field_index(core.name),
+                core,
+                pa.nulls(table.num_rows, type=core.type),
+            )
+    metadata = dict(table.schema.metadata or {})
+    if metadata.get(SCHEMA_VERSION_KEY) not in (None, SCHEMA_VERSION.encode()):
+        metadata[SCHEMA_VERSION_KEY] = SCHEMA_VERSION.encode()
+        table = table.replace_schema_metadata(metadata)
+    return table
 
 
 def conform_table(table: pa.Table, *, stream: str, writer_id: str | None = None) -> pa.Table:
@@ -136,6 +184,7 @@ def conform_table(table: pa.Table, *, stream: str, writer_id: str | None = None)
         raise SchemaError(f"expected a pyarrow.Table, got {type(table).__name__}")
     if table.num_rows == 0:
         raise SchemaError("refusing to commit an empty shard (0 rows)")
+    table = upgrade_table(table)  # a table read from an older shard, passed on
     present = table.column_names
     missing = [name for name in CORE_COLUMNS if name not in present]
     if missing:
@@ -213,7 +262,7 @@ def flat_list_column(table: pa.Table, column: str = "response_token_ids") -> Fla
     )
 
 
-_DERIVABLE = {"reward", "created_at", "version_start", "version_end"}
+_DERIVABLE = {"reward", "created_at", "version_start", "version_end", "loss_mask"}
 
 
 def _now_ms_utc() -> np.datetime64:
@@ -273,6 +322,8 @@ def table_from_arrays(columns: Mapping[str, Any], *, stream: str | None = None) 
         raise SchemaError(f"columns have {wrong} rows but 'sample_id' has {num_rows}")
     if "reward" not in arrays:
         arrays["reward"] = pa.nulls(num_rows, type=pa.float32())
+    if "loss_mask" not in arrays:
+        arrays["loss_mask"] = pa.nulls(num_rows, type=TRAJECTORY_SCHEMA.field("loss_mask").type)
     if "created_at" not in arrays:
         arrays["created_at"] = pa.array(
             np.full(num_rows, _now_ms_utc()), type=pa.timestamp("ms", tz="UTC")
@@ -328,6 +379,7 @@ def table_from_rows(rows: Sequence[Mapping[str, Any]], *, stream: str | None = N
                 )
         complete = dict(row)
         complete.setdefault("reward", None)
+        complete.setdefault("loss_mask", None)
         complete.setdefault("created_at", now)
         if "version_start" not in row or "version_end" not in row:
             versions = list(row["token_versions"])

@@ -32,6 +32,7 @@ from infra.streams.errors import (
 from infra.streams.names import ShardRef
 from infra.streams.reader import StreamReader
 from infra.streams.schema import (
+    SCHEMA_VERSION,
     SCHEMA_VERSION_KEY,
     STREAM_KEY,
     FlatList,
@@ -172,7 +173,7 @@ def scenario_round_trip(root: str, options: Options) -> None:
         got = reader.read(ref)
         assert got.equals(table)  # every core and extra column, bit for bit
         assert got.column_names[-2:] == ["answer", "tests"]
-        assert got.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
+        assert got.schema.metadata[SCHEMA_VERSION_KEY] == SCHEMA_VERSION.encode()
         assert got.schema.metadata[STREAM_KEY] == stream.encode()
         flat = flat_list_column(got, "response_token_ids")
         rows = got.column("response_token_ids").to_pylist()
@@ -236,7 +237,7 @@ def scenario_corrupt_and_foreign_shards_are_quarantined(root: str, options: Opti
         "empty": b"",
         "truncated": encoded[: len(encoded) // 2],
         "foreign-schema": arrow_bytes(pa.table({"x": [1, 2, 3]})),
-        "wrong-version": arrow_bytes(stamped(good_table, version="2")),
+        "wrong-version": arrow_bytes(stamped(good_table, version="9")),
         "other-stream": arrow_bytes(stamped(good_table, stream="scored")),
         "wrong-types": arrow_bytes(stamped(wrong_types)),
     }
@@ -259,7 +260,7 @@ def scenario_corrupt_and_foreign_shards_are_quarantined(root: str, options: Opti
             corrupt[error.ref.name] = error
     assert [table.column("group_id")[0].as_py() for table in good] == ["good1-g0", "good2-g0"]
     assert set(corrupt) == set(names.values())
-    assert "schema version '2'" in corrupt[names["wrong-version"]].reason
+    assert "schema version '9'" in corrupt[names["wrong-version"]].reason
     assert "stream 'scored'" in corrupt[names["other-stream"]].reason
     assert "response_token_ids" in corrupt[names["wrong-types"]].reason
     for error in corrupt.values():
@@ -743,3 +744,55 @@ def test_shard_ref_round_trips_through_its_url() -> None:
     assert json.loads(json.dumps(ref.to_dict()))["url"] == url
     with pytest.raises(StreamConfigError, match="not a Sluice shard name"):
         ShardRef.from_url("s3://bucket/run/rollouts/notes.txt")
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_an_episode_shard_with_its_loss_mask_reads_back_exactly(tmp_path: Any) -> None:
+    rows = make_rows(random.Random(11), "ep-g0", group_size=3)
+    for row in rows:  # a tool's observation in the middle of each response
+        n = len(row["response_token_ids"])
+        row["loss_mask"] = [0 if n // 3 <= t < 2 * n // 3 else 1 for t in range(n)]
+    rows[0]["loss_mask"] = None  # a plain response beside them: every token trained
+    table = table_from_rows(rows)
+    root = f"file://{tmp_path}"
+    ref = StreamWriter(root, RUN, STREAM, "gen-0").write(table)
+    got = StreamReader(root, RUN, STREAM, "trainer").read(ref)
+    assert got.equals(table)
+    assert got.column("loss_mask").to_pylist() == [row["loss_mask"] for row in rows]
+
+
+def test_a_shard_of_the_first_layout_is_still_read_with_every_token_trained(tmp_path: Any) -> None:
+    table = make_table(random.Random(12), "old", num_groups=2)
+    old = stamped(table.drop_columns(["loss_mask"]), version="1")
+    root = f"file://{tmp_path}"
+    writer = StreamWriter(root, RUN, STREAM, "gen-0")
+    first = writer.write(make_table(random.Random(13), "new"))
+    name = f"{first.commit_time_ns + 1:020d}-gen-old-s00000000-g2-r8.arrow"
+    put_raw(root, None, name, arrow_bytes(old))
+    reader = StreamReader(root, RUN, STREAM, "trainer")
+    (_, old_ref) = reader.poll()
+    got = reader.read(old_ref)
+    assert got.column("loss_mask").null_count == got.num_rows
+    assert got.drop_columns(["loss_mask"]).equals(table.drop_columns(["loss_mask"]))
+    assert got.schema.metadata[SCHEMA_VERSION_KEY] == SCHEMA_VERSION.encode()
+    # Passed on by a stage (the reward role), it commits as the current layout.
+    again = StreamWriter(root, RUN, "scored", "reward").write(got)
+    assert StreamReader(root, RUN, "scored", "t").read(again).column("loss_mask").null_count == 8
+
+
+@pytest.mark.parametrize(
+    ("mask", "problem"),
+    [([1, 0], "'loss_mask' has 2 entries"), (None, "values other than 0 and 1")],
+)
+def test_a_loss_mask_of_the_wrong_length_or_values_is_refused(mask: Any, problem: str) -> None:
+    row = make_rows(random.Random(14), "bad-g0", group_size=1)[0]
+    row["response_token_ids"] = row["response_token_ids"][:3] + [7] * max(
+        0, 3 - len(row["response_token_ids"])
+    )
+    row["behaviour_logprobs"] = [-0.1] * 3
+    row["token_versions"] = [0] * 3
+    row["loss_mask"] = mask if mask is not None else [1, 2, 1]
+    with pytest.raises(SchemaError, match=problem):
+        table_from_rows([row])

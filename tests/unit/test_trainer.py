@@ -1,10 +1,13 @@
 """The trainer step: it moves log-probs the way the advantages say, micro-batching does not
 change the update, and its log-probs agree with the inference engine's for the same weights."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+from engines.batching import pack_sequences
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
 from engines.loss import make_policy_loss
@@ -122,3 +125,84 @@ def test_the_step_reports_the_policy_entropy_where_it_sampled(tiny_dir):
     # A random tiny policy is far from decided: its entropy is positive and no more than
     # that of the uniform distribution over the vocabulary.
     assert 0.0 < metrics["policy/entropy"] <= np.log(trainer.model.config.vocab_size) + 1e-6
+
+
+# ------------------------------------------------------------------ multi-turn episodes
+
+
+def test_a_masked_token_gets_exactly_zero_gradient_in_the_loss():
+    # Three response tokens, the middle one a tool's observation (mask 0). On-policy
+    # (all log-probs equal), so u = w = 1 and nothing clips: L = -(A0 + A2) / 2 over
+    # the 2 trained tokens, and dL/dlogprobs_t = -mask_t * A_t / 2.
+    logprobs = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    same = logprobs.detach().clone()
+    advantages = torch.tensor([1.0, 4.0, -3.0])
+    mask = torch.tensor([True, False, True])
+    loss, _ = make_policy_loss()(logprobs, same, same, advantages, mask, 2)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-(1.0 - 3.0) / 2)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([-0.5, 0.0, 1.5]))
+
+
+def episode_sample(trainer, seed=1):
+    """A prompt, then 5 generated tokens, 4 observation tokens, 5 more generated."""
+    rng = np.random.default_rng(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt = rng.integers(4, vocab, size=6)
+    response = rng.integers(4, vocab, size=14)
+    mask = np.array([1] * 5 + [0] * 4 + [1] * 5, dtype=np.uint8)
+    (on_policy,) = trainer.response_logprobs([TrainingSample(prompt, response, np.zeros(14), 0.0)])
+    return prompt, response, mask, on_policy.astype(np.float32)
+
+
+def test_observation_tokens_get_zero_gradient_through_the_trainer(tiny_dir):
+    trainer = make_trainer(tiny_dir)
+    prompt, response, mask, behaviour = episode_sample(trainer)
+    batch = trainer.make_batch([TrainingSample(prompt, response, behaviour, 1.0, mask)])
+    packed = pack_sequences(batch.sequences)
+    logits = trainer._logits(packed).detach().requires_grad_(True)
+    logprobs = trainer._packed_logprobs(batch, [0], packed, logits=logits)
+    loss, _ = trainer.loss_fn(
+        logprobs,
+        logprobs.detach(),
+        batch.behaviour_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        int(batch.loss_mask.sum()),
+    )
+    loss.backward()
+    # Response token t sits at position len(prompt) + t; the logits before it predict it.
+    rows = logits.grad[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+    per_token = rows.abs().sum(-1)
+    assert torch.all(per_token[torch.from_numpy(mask == 0)] == 0)
+    assert torch.all(per_token[torch.from_numpy(mask == 1)] > 0)
+
+
+def test_what_is_recorded_for_observation_tokens_cannot_change_the_update(tiny_dir):
+    weights = []
+    for observed_logprob in (0.0, -50.0):
+        torch.manual_seed(0)
+        trainer = make_trainer(tiny_dir)
+        prompt, response, mask, behaviour = episode_sample(trainer)
+        behaviour = behaviour.copy()
+        behaviour[mask == 0] = observed_logprob  # what a client records for tool output
+        metrics = trainer.train_step([TrainingSample(prompt, response, behaviour, 1.0, mask)])
+        assert metrics["mismatch/kl_k3"] == pytest.approx(0.0, abs=1e-6)  # masked out
+        weights.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
+
+
+def test_an_all_ones_mask_trains_exactly_like_no_mask(tiny_dir):
+    weights = []
+    for with_mask in (False, True):
+        torch.manual_seed(0)
+        trainer = make_trainer(tiny_dir)
+        samples = random_samples(trainer, n=4)
+        if with_mask:
+            samples = [
+                dataclasses.replace(s, loss_mask=np.ones(len(s.response_token_ids), np.uint8))
+                for s in samples
+            ]
+        trainer.train_step(samples)
+        weights.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
