@@ -1,0 +1,159 @@
+"""The rollout role's tool runner: every call gets an answer in time, whatever the tool does.
+
+`ToolBox` routes a call's text to its tool (`engines.tools.route_call`) and turns any
+outcome into a `ToolResult` the episode can show the policy: the output, an error, or
+a timeout. Nothing a tool does reaches the role as an exception.
+
+- ``calculator`` runs inline: bounded arithmetic, microseconds.
+- ``python`` runs the call in the reward sandbox (its own process, killed at its
+  deadline), from a thread so the event loop keeps serving other episodes.
+- a user tool ``module:function`` runs in a pool of spawned worker processes that
+  imported it once; a call past ``timeout_s`` is answered as a timeout and the pool,
+  whose worker may be stuck for good, is replaced. A path that does not import, or
+  names no function, stops the role at start in one line (`ToolSpecError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import importlib
+import logging
+import multiprocessing
+from typing import Any
+
+from engines.episodes import ToolResult
+from engines.tools import ToolError, ToolFn, calculator, python_tool, route_call
+
+log = logging.getLogger("sluice.tools")
+
+BUILTIN_TOOLS = ("calculator", "python")
+WORKER_START_TIMEOUT_S = 120.0
+
+
+class ToolSpecError(ValueError):
+    """A configured tool that cannot be loaded."""
+
+
+def load_user_tool(spec: str) -> ToolFn:
+    """The function `module:function` names; ToolSpecError naming what is wrong."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ToolSpecError(f"tool {spec!r}: expected calculator, python or 'module:function'")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ToolSpecError(f"tool {spec!r} cannot be loaded: {err}") from None
+    if not callable(function):
+        raise ToolSpecError(f"tool {spec!r} is not callable")
+    return function  # type: ignore[no-any-return]
+
+
+_worker_tools: dict[str, ToolFn] = {}
+
+
+def _init_worker(specs: list[str]) -> None:
+    for spec in specs:
+        _worker_tools[spec] = load_user_tool(spec)
+
+
+def _worker_ready() -> bool:
+    return True
+
+
+def _run_in_worker(spec: str, text: str) -> str:
+    return str(_worker_tools[spec](text))
+
+
+def tool_name(spec: str) -> str:
+    """What a call names a tool by: the builtin's name, or a user tool's function name."""
+    return spec if spec in BUILTIN_TOOLS else spec.rpartition(":")[2]
+
+
+class ToolBox:
+    """The tools of one run, callable as ``await toolbox(call_text)``."""
+
+    def __init__(self, specs: list[str], timeout_s: float, workers: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.workers = workers
+        self.calls = self.errors = self.timeouts = 0
+        self._user_specs = [s for s in specs if s not in BUILTIN_TOOLS]
+        for spec in self._user_specs:
+            load_user_tool(spec)  # fail at start, in one line, not on the first call
+        self._routes: dict[str, str] = {tool_name(spec): spec for spec in specs}
+        if len(self._routes) != len(specs):
+            raise ToolSpecError(f"two tools share a name in {specs}")
+        self._python = python_tool(timeout_s=timeout_s) if "python" in specs else None
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def _executor(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self._user_specs,),
+            )
+            # Spawning and importing take seconds no call's deadline should pay for.
+            ready = [self._pool.submit(_worker_ready) for _ in range(self.workers)]
+            cf.wait(ready, timeout=WORKER_START_TIMEOUT_S)
+        return self._pool
+
+    async def __call__(self, call: str) -> ToolResult:
+        self.calls += 1
+        try:
+            name, text = route_call(call, dict.fromkeys(self._routes, str))
+            output = await self._run(self._routes[name], text)
+        except ToolError as err:
+            self.errors += 1
+            return ToolResult(f"error: {err}", "error")
+        except TimeoutError:
+            self.timeouts += 1
+            return ToolResult(f"error: timed out after {self.timeout_s:g} s", "timeout")
+        except Exception as err:  # noqa: BLE001 - a user tool's bug is an answer, not a crash
+            self.errors += 1
+            return ToolResult(f"error: {type(err).__name__}: {err}", "error")
+        return ToolResult(output)
+
+    async def _run(self, spec: str, text: str) -> str:
+        if spec == "calculator":
+            return calculator(text)
+        if spec == "python":
+            assert self._python is not None
+            return await asyncio.to_thread(self._python, text)
+        loop = asyncio.get_running_loop()
+        pool = await asyncio.to_thread(self._executor)
+        future = loop.run_in_executor(pool, _run_in_worker, spec, text)
+        try:
+            return await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            log.warning("tool %s timed out after %g s; replacing its workers", spec, self.timeout_s)
+            self._replace_pool(pool)
+            raise
+        except cf.process.BrokenProcessPool:
+            self._replace_pool(pool)
+            raise ToolError("the tool's worker process died") from None
+
+    def _replace_pool(self, pool: cf.ProcessPoolExecutor) -> None:
+        if self._pool is pool:
+            self._pool = None
+        _kill(pool)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "tool_calls": self.calls,
+            "tool_errors": self.errors,
+            "tool_timeouts": self.timeouts,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            _kill(self._pool)
+            self._pool = None
+
+
+def _kill(pool: cf.ProcessPoolExecutor) -> None:
+    processes: dict[int, Any] = getattr(pool, "_processes", None) or {}
+    for process in list(processes.values()):
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
