@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.episodes import EpisodeSpec, Generate, run_group
 from engines.groups import group_index_of, group_key, reissue_plan, resume_gate
-from engines.samples import group_rows, version_span
+from engines.samples import episode_columns, group_rows, version_span
 from engines.staleness import StalenessGate
 from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
@@ -40,6 +41,7 @@ from tasks.common import ROLLOUTS
 from tasks.inference_server import EmbeddedServer, launched_server_urls
 from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.role import Role
+from tasks.tools import ToolBox
 
 log = logging.getLogger("sluice.rollout")
 
@@ -59,13 +61,25 @@ class RolloutStats:
     partial_samples: int = 0
     max_version_span: int = 0
     server_recoveries: int = 0
+    episode_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    observation_tokens: int = 0
 
     def record_group(self, rows: list[dict[str, Any]]) -> None:
         """Count one group written to the stream (`rows`: its samples)."""
         self.groups_written += 1
         self.samples_written += len(rows)
         for r in rows:
-            self.tokens_generated += len(r["response_token_ids"])
+            mask = r.get("loss_mask")
+            observed = len(mask) - sum(mask) if mask is not None else 0
+            self.tokens_generated += len(r["response_token_ids"]) - observed
+            self.observation_tokens += observed
+            self.episode_turns += r.get("turns", 0)
+            self.tool_calls += r.get("tool_calls", 0)
+            self.tool_errors += r.get("tool_errors", 0)
+            self.tool_timeouts += r.get("tool_timeouts", 0)
             span = version_span(r["token_versions"])
             if span:  # a weight update landed while this response was being generated
                 self.partial_samples += 1
@@ -84,7 +98,38 @@ class RolloutStats:
             "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
             "max_version_span": self.max_version_span,
             "server_recoveries": self.server_recoveries,
+            **(self.episode_status() if self.episode_turns else {}),
         }
+
+    def episode_status(self) -> dict[str, Any]:
+        return {
+            "turns_per_episode": self.episode_turns / max(1, self.samples_written),
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_timeouts": self.tool_timeouts,
+            "observation_tokens": self.observation_tokens,
+        }
+
+
+def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
+    """The episode rules of a run; its call's closing text must be one token."""
+    cfg = config.episode
+    close = tokenizer.encode(cfg.call_close, add_special_tokens=False)
+    if len(close) != 1:
+        raise ValueError(
+            f"episode.call_close={cfg.call_close!r} is {len(close)} tokens of the policy's "
+            "tokenizer; generation can only stop on one token: pick text that is a single "
+            "token (e.g. '</tool_call>' for Qwen, ']' for the built-in tiny model)"
+        )
+    return EpisodeSpec(
+        call_open=cfg.call_open,
+        call_close=cfg.call_close,
+        close_token_id=int(close[0]),
+        observation_template=cfg.observation_template,
+        max_turns=cfg.max_turns,
+        max_total_tokens=cfg.max_total_tokens,
+        max_new_tokens_per_turn=config.rollout.max_new_tokens,
+    )
 
 
 def committed_group_indices(reader: StreamReader) -> set[int]:
@@ -128,6 +173,8 @@ class RolloutRole(Role):
             raise
         self.stats = RolloutStats()
         self.current: CommittedVersion | None = None
+        self.episodes: EpisodeSpec | None = None  # multi-turn: set once the tokenizer is known
+        self.toolbox: ToolBox | None = None
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -144,6 +191,8 @@ class RolloutRole(Role):
         try:
             asyncio.run(self.generate())
         finally:
+            if self.toolbox is not None:
+                self.toolbox.close()
             self.stop_server()
 
     # ------------------------------------------------------------ weights
@@ -197,8 +246,50 @@ class RolloutRole(Role):
             "top_p": cfg.top_p,
             "top_k": cfg.top_k,
         }
+        if self.episodes is not None:
+            return await self.generate_episodes(client, index, row, prompt_ids, sampling)
         results = await client.generate_group(prompt_ids, cfg.group_size, sampling)
         return group_rows(index, row, prompt_ids, results, self.writer.writer_id)
+
+    async def generate_episodes(
+        self,
+        client: InferenceClient,
+        index: int,
+        row: dict[str, Any],
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+    ) -> list[dict[str, Any]]:
+        """G multi-turn episodes of one prompt; each turn is one generate call that also
+        stops at the call's closing token."""
+        assert self.episodes is not None and self.toolbox is not None
+        spec, tokenizer = self.episodes, self.prompts.tokenizer
+        assert tokenizer is not None
+
+        def sample(_j: int) -> Generate:
+            async def turn(input_ids: list[int], max_new_tokens: int) -> Any:
+                params = {
+                    **sampling,
+                    "max_new_tokens": max_new_tokens,
+                    "stop_token_ids": [spec.close_token_id],
+                }
+                return await client.generate(input_ids, params)
+
+            return turn
+
+        episodes = await run_group(
+            prompt_ids,
+            self.config.rollout.group_size,
+            spec,
+            sample,
+            self.toolbox,
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+            lambda ids: str(tokenizer.decode(ids)),
+        )
+        rows = group_rows(index, row, prompt_ids, episodes, self.writer.writer_id)
+        for out, episode in zip(rows, episodes, strict=True):
+            out["loss_mask"] = episode.loss_mask
+            out.update(episode_columns(episode))
+        return rows
 
     def write_group(self, index: int, rows: list[dict[str, Any]]) -> None:
         table = table_from_rows(rows, stream=ROLLOUTS)
@@ -211,8 +302,14 @@ class RolloutRole(Role):
         cfg = self.config
         self.current = self.wait_for_first_version(timeout_s=FIRST_VERSION_TIMEOUT_S)
         local = self.fetch(self.current)
+        tokenizer = load_policy_tokenizer(local)
         # A prompt must leave the engine room for at least one token.
-        self.prompts.set_tokenizer(load_policy_tokenizer(local), policy_context(local) - 1)
+        self.prompts.set_tokenizer(tokenizer, policy_context(local) - 1)
+        if cfg.episode.tools:
+            self.episodes = episode_spec(cfg, tokenizer)
+            self.toolbox = ToolBox(
+                cfg.episode.tools, cfg.episode.tool_timeout_s, cfg.episode.tool_workers
+            )
         early = self.server
         if early is not None and early.weight_version != self.current.policy_version:
             # Started from the flow's start document; the registry moved on since.
