@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engines.problems.base import PromptRow
+from engines.problems.base import Problem, PromptRow
 from engines.problems.longtail import LongTailSum
 from engines.problems.registry import BUILTIN_PROBLEMS
 
@@ -120,7 +120,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float) -> Any:
 
 def builtin_verifier(scale: RewardScale = RewardScale()) -> Verifier:
     """The built-in task's checker, chosen by the row's `task` (default longtail_sum)."""
-    checkers: dict[str, LongTailSum] = {name: cls() for name, cls in BUILTIN_PROBLEMS.items()}
+    checkers: dict[str, Problem] = {name: cls() for name, cls in BUILTIN_PROBLEMS.items()}
     default = LongTailSum()
 
     def verify_builtin(row: PromptRow, response_text: str) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engines.episodes import EpisodeSpec, run_on_engine, sync_tool
 from engines.model import load_policy_dir
 from engines.problems.base import Problem, PromptRow
 
@@ -110,6 +112,46 @@ def encode_supervised(
         raise ValueError("warm start needs a tokenizer with an eos token")
     response_ids.append(int(tokenizer.eos_token_id))
     return prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids
+
+
+def encode_segments(
+    tokenizer: PreTrainedTokenizerBase, prompt_text: str, segments: Sequence[tuple[str, bool]]
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for a reference episode given as `(text, trained)` pieces.
+
+    Untrained pieces (a tool's observation) are in the input, so the policy learns to
+    read them, and IGNORE_INDEX in the labels, so it never learns to write them. Each
+    piece is encoded on its own, as an episode appends each turn's tokens; eos closes
+    the episode and is trained.
+    """
+    prompt_ids = list(tokenizer(prompt_text)["input_ids"])
+    ids, labels = list(prompt_ids), [IGNORE_INDEX] * len(prompt_ids)
+    for text, trained in segments:
+        piece = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids += piece
+        labels += piece if trained else [IGNORE_INDEX] * len(piece)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("warm start needs a tokenizer with an eos token")
+    ids.append(int(tokenizer.eos_token_id))
+    labels.append(int(tokenizer.eos_token_id))
+    return ids, labels
+
+
+def encode_reference(
+    tokenizer: PreTrainedTokenizerBase, problem: Problem, row: PromptRow
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a row's reference: its episode's pieces when the problem
+    has them (`reference_segments`), else its reference response."""
+    prompt_text = problem.format_prompt(row)
+    segments = getattr(problem, "reference_segments", None)
+    if callable(segments):
+        return encode_segments(tokenizer, prompt_text, segments(row))
+    reference = problem.reference_response(row)
+    if reference is None:
+        raise ValueError(
+            f"warm start needs reference solutions; row {row.get('prompt_id')} has none"
+        )
+    return encode_supervised(tokenizer, prompt_text, reference)
 
 
 def collate_supervised(
@@ -261,6 +303,53 @@ def evaluate_greedy(
     )
 
 
+@dataclass(frozen=True)
+class EpisodeCheck:
+    """How the warm start's held-out check runs episodes: their rules and the tool."""
+
+    spec: EpisodeSpec
+    tool: Callable[[str], str]
+    """Answers a call's text (raises on a bad call: an error observation)."""
+
+
+def evaluate_episodes_greedy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    problem: Problem,
+    rows: Sequence[PromptRow],
+    episodes: EpisodeCheck,
+) -> float:
+    """Share of `rows` whose greedy episode (the tool answering each call) ends in a
+    right answer. The weights run on the inference engine, as in a run."""
+    from engines.inference.engine import InferenceEngine
+    from engines.inference.types import SamplingParams
+
+    if not rows:
+        raise ValueError("evaluate_episodes_greedy: no rows to evaluate")
+    with tempfile.TemporaryDirectory(prefix="sluice-warm-eval-") as weights:
+        model.save_pretrained(weights)
+        tokenizer.save_pretrained(weights)
+        engine = InferenceEngine(weights, max_batch_size=64, seed=0)
+        try:
+            done = run_on_engine(
+                engine,
+                [list(tokenizer(problem.format_prompt(row))["input_ids"]) for row in rows],
+                episodes.spec,
+                lambda _i: SamplingParams(temperature=0.0),
+                sync_tool(episodes.tool),
+                lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+                lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)),
+            )
+        finally:
+            engine.shutdown()
+    texts = [str(tokenizer.decode(e.response_token_ids, skip_special_tokens=True)) for e in done]
+    calls = sum(e.tool_calls > 0 for e in done)
+    log.info("greedy episodes: %d of %d call the tool", calls, len(done))
+    return sum(
+        problem.check_answer(row, text) for row, text in zip(rows, texts, strict=True)
+    ) / len(rows)
+
+
 # ------------------------------------------------------------------ the warm start
 
 
@@ -316,6 +405,7 @@ def warm_start(
     max_tokens_per_micro_batch: int = 2048,
     device: str | torch.device = "cpu",
     progress: Callable[[str], None] | None = None,
+    episodes: EpisodeCheck | None = None,
 ) -> WarmStartReport:
     """Supervised pass from `model_dir` until greedy held-out accuracy enters the band.
 
@@ -332,6 +422,9 @@ def warm_start(
     Defaults were tuned for the embedded ~1M Llama on `longtail_sum` (AdamW, lr 2e-3
     after 20 warm-up steps, 16 rows/step): lr 5e-3 stalled on a loss plateau and
     8 rows/step learned slower per second than 16.
+
+    With `episodes`, held-out accuracy is that of greedy multi-turn episodes, the tool
+    answering each call (`evaluate_episodes_greedy`).
     """
     cached = read_warm_start(out_dir)
     if cached is not None:
@@ -380,14 +473,7 @@ def warm_start(
     model.train()
     while step < steps:
         rows = problem.sample_warmstart_prompts(batch_size, rng)
-        examples = []
-        for row in rows:
-            reference = problem.reference_response(row)
-            if reference is None:
-                raise ValueError(
-                    f"warm start needs reference solutions; row {row.get('prompt_id')} has none"
-                )
-            examples.append(encode_supervised(tokenizer, problem.format_prompt(row), reference))
+        examples = [encode_reference(tokenizer, problem, row) for row in rows]
         optimizer.zero_grad(set_to_none=True)
         loss = supervised_step(model, examples, pad_id, max_tokens_per_micro_batch, device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -409,7 +495,10 @@ def warm_start(
             window = []
             if average is not None:
                 average.swap(model)  # evaluate the averaged weights ...
-            accuracy = evaluate_greedy(model, tokenizer, problem, eval_rows, eval_new_tokens)
+            if episodes is None:
+                accuracy = evaluate_greedy(model, tokenizer, problem, eval_rows, eval_new_tokens)
+            else:
+                accuracy = evaluate_episodes_greedy(model, tokenizer, problem, eval_rows, episodes)
             reached = accuracy >= low and not fixed_steps
             stopping = reached or out_of_time or step == steps
             if average is not None and not stopping:

@@ -144,7 +144,7 @@ class EpisodeConfig(_Section):
     """Text that opens a tool call in the policy's output."""
     call_close: str = "]"
     """Text that closes a call and ends the turn; it must be one token of the policy's tokenizer (generation stops on it as on EOS), e.g. `</tool_call>` for Qwen."""
-    observation_template: str = "={output}\n"
+    observation_template: str = "> {output}\n"
     """How a tool's output is appended for the policy to read; `{output}` is replaced. These observation tokens are context: never trained (`loss_mask` 0)."""
     max_turns: int = Field(4, ge=1, le=64)
     """Most generate calls per episode; a call made on the last one is not run and the episode ends as truncated."""

@@ -27,6 +27,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from engines.episodes import Episode, run_on_engine
 from engines.evaluation import heldout_metrics
 from engines.inference.engine import InferenceEngine
 from engines.inference.types import GenerationRequest, SamplingParams
@@ -40,6 +41,7 @@ from infra.tracking import log_metrics
 from tasks.common import run_registry
 from tasks.problem import PromptSource, load_policy_tokenizer
 from tasks.role import Role
+from tasks.tools import ToolBox, episode_spec
 
 log = logging.getLogger("sluice.evaluate")
 
@@ -99,29 +101,68 @@ def evaluate_model_dir(
     requests = eval_requests(
         config, [source.encode_prompt(row) for row in rows], temperature, with_greedy
     )
-    outputs = engine.generate(requests)
-    engine.shutdown()
+    tokenizer = source.tokenizer
+    episodes: list[Episode] = []
+    try:
+        if config.episode.tools:
+            episodes = eval_episodes(config, engine, tokenizer, requests)
+            responses = [e.response_token_ids for e in episodes]
+        else:
+            responses = [out.output_token_ids for out in engine.generate(requests)]
+    finally:
+        engine.shutdown()
     per_prompt = k + int(with_greedy)
     rewards = [
-        float(
-            verifier(
-                rows[n // per_prompt],
-                source.tokenizer.decode(out.output_token_ids, skip_special_tokens=True),
-            )
-        )
-        for n, out in enumerate(outputs)
+        float(verifier(rows[n // per_prompt], tokenizer.decode(ids, skip_special_tokens=True)))
+        for n, ids in enumerate(responses)
     ]
     metrics = heldout_metrics(
         rows,
         rewards,
-        [len(out.output_token_ids) for out in outputs],
+        [len(ids) for ids in responses],
         samples_per_prompt=k,
         with_greedy=with_greedy,
         correct_reward=config.reward.correct_reward,
         greedy_temperature=temperature == 0,
     )
+    if episodes:
+        metrics.update(tool_use_metrics(episodes, per_prompt, k))
     metrics["eval/time_s"] = time.monotonic() - started
     return metrics
+
+
+def eval_episodes(
+    config: RunConfig, engine: InferenceEngine, tokenizer: Any, requests: list[GenerationRequest]
+) -> list[Episode]:
+    """One multi-turn episode per evaluation request, the run's tools answering calls."""
+    spec = episode_spec(config, tokenizer)
+    toolbox = ToolBox(
+        config.episode.tools, config.episode.tool_timeout_s, config.episode.tool_workers
+    )
+    try:
+        return run_on_engine(
+            engine,
+            [list(r.prompt_token_ids) for r in requests],
+            spec,
+            lambda i: requests[i].sampling,
+            toolbox,
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+            lambda ids: str(tokenizer.decode(ids)),
+        )
+    finally:
+        toolbox.close()
+
+
+def tool_use_metrics(episodes: list[Episode], per_prompt: int, k: int) -> dict[str, float]:
+    """How the sampled held-out episodes used their tools (greedy ones left out)."""
+    sampled = [e for n, e in enumerate(episodes) if n % per_prompt < k]
+    calls = sum(e.tool_calls for e in sampled)
+    return {
+        "eval/calling_fraction": sum(e.tool_calls > 0 for e in sampled) / max(1, len(sampled)),
+        "eval/tool_calls_mean": calls / max(1, len(sampled)),
+        "eval/tool_error_rate": sum(e.tool_errors for e in sampled) / calls if calls else 0.0,
+        "eval/turns_mean": sum(len(e.turns) for e in sampled) / max(1, len(sampled)),
+    }
 
 
 def eval_weights_dir(config: RunConfig, run_id: str) -> Path:

@@ -24,11 +24,12 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import shipped_policy
 from engines.model import build_tiny_policy
-from engines.warmstart import warm_start
+from engines.warmstart import EpisodeCheck, warm_start
 from infra.checkpoints import save_checkpoint
 from infra.config import RunConfig
 from tasks.common import run_paths, run_registry
-from tasks.problem import build_problem
+from tasks.problem import build_problem, load_policy_tokenizer
+from tasks.tools import episode_spec, plain_tool
 
 log = logging.getLogger("sluice.prepare")
 
@@ -45,6 +46,8 @@ def warm_cache_key(config: RunConfig) -> str:
         "max_new_tokens": config.rollout.max_new_tokens,
         "format": 2,  # 2: the warm-start corpus mixes bare answers with worked sums
     }
+    if config.episode.tools:  # the held-out check runs episodes with these tools
+        shaping["episode"] = config.episode.model_dump()
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -98,6 +101,7 @@ def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, di
         out_dir=warm,
         max_new_tokens=config.rollout.max_new_tokens,
         progress=say,
+        episodes=warm_start_episodes(config, base),
     )
     facts = {
         "source": "tiny-warm-start",
@@ -108,6 +112,15 @@ def initial_policy_dir(config: RunConfig, say: Any = log.info) -> tuple[Path, di
         "warm_start_wall_time_s": report.wall_time_s,
     }
     return warm, facts
+
+
+def warm_start_episodes(config: RunConfig, base: Path) -> EpisodeCheck | None:
+    """How the warm start checks a multi-turn policy: greedy episodes with the run's
+    tools (None for single-turn runs)."""
+    if not config.episode.tools:
+        return None
+    spec = episode_spec(config, load_policy_tokenizer(base))
+    return EpisodeCheck(spec, plain_tool(config))
 
 
 def ensure_version_zero(

@@ -41,7 +41,7 @@ from tasks.common import ROLLOUTS
 from tasks.inference_server import EmbeddedServer, launched_server_urls
 from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.role import Role
-from tasks.tools import ToolBox
+from tasks.tools import ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
 
@@ -109,27 +109,6 @@ class RolloutStats:
             "tool_timeouts": self.tool_timeouts,
             "observation_tokens": self.observation_tokens,
         }
-
-
-def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
-    """The episode rules of a run; its call's closing text must be one token."""
-    cfg = config.episode
-    close = tokenizer.encode(cfg.call_close, add_special_tokens=False)
-    if len(close) != 1:
-        raise ValueError(
-            f"episode.call_close={cfg.call_close!r} is {len(close)} tokens of the policy's "
-            "tokenizer; generation can only stop on one token: pick text that is a single "
-            "token (e.g. '</tool_call>' for Qwen, ']' for the built-in tiny model)"
-        )
-    return EpisodeSpec(
-        call_open=cfg.call_open,
-        call_close=cfg.call_close,
-        close_token_id=int(close[0]),
-        observation_template=cfg.observation_template,
-        max_turns=cfg.max_turns,
-        max_total_tokens=cfg.max_total_tokens,
-        max_new_tokens_per_turn=config.rollout.max_new_tokens,
-    )
 
 
 def committed_group_indices(reader: StreamReader) -> set[int]:

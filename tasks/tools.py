@@ -22,8 +22,9 @@ import logging
 import multiprocessing
 from typing import Any
 
-from engines.episodes import ToolResult
+from engines.episodes import EpisodeSpec, ToolResult
 from engines.tools import ToolError, ToolFn, calculator, python_tool, route_call
+from infra.config import RunConfig
 
 log = logging.getLogger("sluice.tools")
 
@@ -157,3 +158,43 @@ def _kill(pool: cf.ProcessPoolExecutor) -> None:
     for process in list(processes.values()):
         process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
+
+
+def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
+    """The episode rules of a run; its call's closing text must be one token."""
+    cfg = config.episode
+    close = tokenizer.encode(cfg.call_close, add_special_tokens=False)
+    if len(close) != 1:
+        raise ValueError(
+            f"episode.call_close={cfg.call_close!r} is {len(close)} tokens of the policy's "
+            "tokenizer; generation can only stop on one token: pick text that is a single "
+            "token (e.g. '</tool_call>' for Qwen, ']' for the built-in tiny model)"
+        )
+    return EpisodeSpec(
+        call_open=cfg.call_open,
+        call_close=cfg.call_close,
+        close_token_id=int(close[0]),
+        observation_template=cfg.observation_template,
+        max_turns=cfg.max_turns,
+        max_total_tokens=cfg.max_total_tokens,
+        max_new_tokens_per_turn=config.rollout.max_new_tokens,
+    )
+
+
+def plain_tool(config: RunConfig) -> ToolFn:
+    """The run's tools as one plain function of a call's text, in this process (the
+    warm start's held-out check: a few hundred calls, no worker pool)."""
+    functions: dict[str, ToolFn] = {}
+    for spec in config.episode.tools:
+        if spec == "calculator":
+            functions[tool_name(spec)] = calculator
+        elif spec == "python":
+            functions[tool_name(spec)] = python_tool(timeout_s=config.episode.tool_timeout_s)
+        else:
+            functions[tool_name(spec)] = load_user_tool(spec)
+
+    def call(text: str) -> str:
+        name, argument = route_call(text, functions)
+        return functions[name](argument)
+
+    return call

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.problems.base import Problem
 from engines.problems.longtail import LongTailSum
+from engines.problems.tool_arith import ToolArith
 
-BUILTIN_PROBLEMS: dict[str, type[LongTailSum]] = {"longtail_sum": LongTailSum}
+BUILTIN_PROBLEMS: dict[str, type[LongTailSum] | type[ToolArith]] = {
+    "longtail_sum": LongTailSum,
+    "tool_arith": ToolArith,
+}
 
 
-def get_problem(name: str, **options: Any) -> LongTailSum:
+def get_problem(name: str, **options: Any) -> Problem:
     """A built-in problem by name (options go to its constructor)."""
     if name not in BUILTIN_PROBLEMS:
         raise ValueError(
