@@ -212,6 +212,12 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]
             "a new run (drop --sync to resume, or --resume to start a new sync run)"
         )
     config = load_config(args.config, args.overrides)
+    if getattr(args, "sync", False) and config.episode.tools:
+        raise ConfigError(
+            "episode.tools runs multi-turn episodes in the asynchronous pipeline; the "
+            "colocated 'sluice train --sync' baseline generates single responses (drop "
+            "--sync, or set episode.tools=[])"
+        )
     if args.command == "bench":
         check_bench_args(args, config)
     if getattr(args, "resume", None):

@@ -154,6 +154,8 @@ class EpisodeConfig(_Section):
     """Deadline of one tool call; a call past it shows the policy an error and is counted as a timeout."""
     tool_workers: int = Field(2, ge=1, le=256)
     """Worker processes that run user tools (calculator and python need none)."""
+    shaping: str | None = None
+    """Per-turn reward shaping: `module:function` called with an episode's turns (a list of dicts with `generated_tokens`, `call`, `outcome` (ok, error, timeout or None) and `observation_tokens`) and returning a number added to the final-answer reward, e.g. a small penalty per failed call. None: the final answer alone."""
 
 
 class ServersConfig(_Section):

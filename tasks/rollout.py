@@ -41,7 +41,7 @@ from tasks.common import ROLLOUTS
 from tasks.inference_server import EmbeddedServer, launched_server_urls
 from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.role import Role
-from tasks.tools import ToolBox, episode_spec
+from tasks.tools import Shaping, ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
 
@@ -154,6 +154,7 @@ class RolloutRole(Role):
         self.current: CommittedVersion | None = None
         self.episodes: EpisodeSpec | None = None  # multi-turn: set once the tokenizer is known
         self.toolbox: ToolBox | None = None
+        self.shaping = Shaping(None)
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -268,6 +269,7 @@ class RolloutRole(Role):
         for out, episode in zip(rows, episodes, strict=True):
             out["loss_mask"] = episode.loss_mask
             out.update(episode_columns(episode))
+            out["shaping_reward"] = self.shaping(episode)
         return rows
 
     def write_group(self, index: int, rows: list[dict[str, Any]]) -> None:
@@ -289,6 +291,7 @@ class RolloutRole(Role):
             self.toolbox = ToolBox(
                 cfg.episode.tools, cfg.episode.tool_timeout_s, cfg.episode.tool_workers
             )
+            self.shaping = Shaping(cfg.episode.shaping)
         early = self.server
         if early is not None and early.weight_version != self.current.policy_version:
             # Started from the flow's start document; the registry moved on since.
@@ -436,5 +439,6 @@ class RolloutRole(Role):
             groups_accepted=gate.accepted,
             groups_in_flight=gate.in_flight,
             prompts_skipped_too_long=self.prompts.skipped_too_long,
+            shaping_failures=self.shaping.failures,
             **self.stats.as_status(),
         )

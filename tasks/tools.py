@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures as cf
 import importlib
 import logging
+import math
 import multiprocessing
 from typing import Any
 
@@ -198,3 +199,38 @@ def plain_tool(config: RunConfig) -> ToolFn:
         return functions[name](argument)
 
     return call
+
+
+class Shaping:
+    """The run's per-turn shaping hook (`episode.shaping`), called safely: a hook that
+    raises or returns something not finite adds 0 and is counted, never crashes."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.failures = 0
+        self._hook = load_user_tool(spec) if spec else None
+
+    def __call__(self, episode: Any) -> float:
+        if self._hook is None:
+            return 0.0
+        turns = [
+            {
+                "generated_tokens": t.generated_tokens,
+                "call": t.call,
+                "outcome": t.outcome,
+                "observation_tokens": t.observation_tokens,
+            }
+            for t in episode.turns
+        ]
+        try:
+            value = float(self._hook(turns))  # type: ignore[arg-type]
+        except Exception as err:  # noqa: BLE001 - a user hook's bug costs its bonus only
+            self.failures += 1
+            if self.failures == 1:
+                log.warning(
+                    "episode.shaping raised %r; adding 0 (counted as shaping_failures)", err
+                )
+            return 0.0
+        if not math.isfinite(value):
+            self.failures += 1
+            return 0.0
+        return value

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tasks.tools import ToolBox, ToolSpecError
+from tasks.tools import Shaping, ToolBox, ToolSpecError
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +30,12 @@ PLUGIN = textwrap.dedent(
 
     def die(text):
         os._exit(3)
+
+    def penalty(turns):
+        return -0.1 * sum(t["outcome"] in ("error", "timeout") for t in turns)
+
+    def broken_hook(turns):
+        raise KeyError("outcome")
     """
 )
 
@@ -75,3 +81,22 @@ def test_a_tool_that_cannot_be_loaded_stops_the_role_at_start(plugin: str) -> No
         ToolBox([f"{plugin}:missing"], timeout_s=1.0)
     with pytest.raises(ToolSpecError, match="'module:function'"):
         ToolBox(["search"], timeout_s=1.0)
+
+
+def test_a_shaping_hook_sees_every_turn_and_a_broken_one_adds_nothing(plugin: str) -> None:
+    from engines.episodes import Episode, TurnRecord
+
+    episode = Episode(
+        turns=[
+            TurnRecord(5, 0, 0, call="1+", outcome="error", observation_tokens=4),
+            TurnRecord(5, 0, 0, call="1+1", outcome="ok", observation_tokens=3),
+            TurnRecord(3, 1, 1),
+        ]
+    )
+    assert Shaping(f"{plugin}:penalty")(episode) == pytest.approx(-0.1)
+    assert Shaping(None)(episode) == 0.0
+    broken = Shaping(f"{plugin}:broken_hook")
+    assert broken(episode) == 0.0 and broken(episode) == 0.0
+    assert broken.failures == 2
+    with pytest.raises(ToolSpecError):
+        Shaping(f"{plugin}:no_such_hook")

@@ -33,6 +33,13 @@ def test_sync_with_resume_is_refused_with_one_line_before_anything_runs(tmp_path
     assert len(err) == 1 and "--resume" in err[0] and "--sync" in err[0]
 
 
+def test_sync_with_multi_turn_episodes_is_refused_with_one_line(tmp_path, capsys):
+    code = main(["train", "multiturn", "--sync", "--set", f"workdir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "episode.tools" in err[0] and "--sync" in err[0]
+
+
 def test_resume_loads_the_runs_own_config_then_the_overrides(tmp_path):
     from flows.cli import parse
 

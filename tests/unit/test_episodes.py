@@ -71,26 +71,26 @@ def test_a_call_runs_its_tool_and_the_answer_comes_after_the_observation() -> No
     # A weight update lands between the turns: each token keeps its own version.
     policy = ScriptedPolicy(turn("[37*48+19]", version=4), turn("1795", version=5, end="eos"))
     episode = run(policy)
-    assert decode(episode.response_token_ids) == "[37*48+19]=1795\n1795"
+    assert decode(episode.response_token_ids) == "[37*48+19]> 1795\n1795"
     assert episode.finish_reason == "stop"
-    observed = len("=1795\n")
+    observed = len("> 1795\n")
     assert episode.loss_mask == [1] * 10 + [0] * observed + [1] * 5
     assert episode.behaviour_logprobs == [-0.5] * 10 + [0.0] * observed + [-0.5] * 5
     assert episode.token_versions == [4] * (10 + observed) + [5] * 5
-    assert (episode.tool_calls, episode.tool_errors, episode.observation_tokens) == (1, 0, 6)
+    assert (episode.tool_calls, episode.tool_errors, episode.observation_tokens) == (1, 0, 7)
     assert [(t.version_start, t.version_end, t.outcome) for t in episode.turns] == [
         (4, 4, "ok"),
         (5, 5, None),
     ]
     # The second turn saw the prompt, the call and the observation, as token ids.
     second_input, second_budget = policy.asked[1]
-    assert second_input == encode("37*48+19:[37*48+19]=1795\n")
-    assert second_budget == SPEC.max_total_tokens - len("[37*48+19]=1795\n")
+    assert second_input == encode("37*48+19:[37*48+19]> 1795\n")
+    assert second_budget == SPEC.max_total_tokens - len("[37*48+19]> 1795\n")
 
 
 def test_a_tool_error_is_shown_to_the_policy_and_counted() -> None:
     episode = run(ScriptedPolicy(turn("[2+*3]", 0), turn("[2*3]", 0), turn("6", 0, "eos")))
-    assert decode(episode.response_token_ids).startswith("[2+*3]=error: cannot read")
+    assert decode(episode.response_token_ids).startswith("[2+*3]> error: cannot read")
     assert (episode.tool_calls, episode.tool_errors) == (2, 1)
     assert episode.finish_reason == "stop"
 
@@ -114,7 +114,7 @@ def test_the_token_budget_caps_each_turn_and_an_observation_that_does_not_fit() 
     policy = ScriptedPolicy(turn("[99*99]", 0))
     episode = run(policy, tight)
     assert policy.asked[0][1] == 12
-    assert episode.finish_reason == "length"  # "=9801\n" would leave no room to answer
+    assert episode.finish_reason == "length"  # "> 9801\n" would leave no room to answer
     assert episode.observation_tokens == 0 and episode.tool_calls == 1
 
 
@@ -176,3 +176,54 @@ def test_one_tool_takes_the_whole_call_and_several_need_a_name() -> None:
     assert route_call("python: print(1)", both) == ("python", "print(1)")
     with pytest.raises(ToolError, match="among calculator, python"):
         route_call("search: cats", both)
+
+
+def test_episode_metrics_count_turns_calls_observations_and_per_turn_staleness() -> None:
+    from engines.samples import episode_stats, staleness_stats, turn_starts
+    from infra.streams.schema import table_from_rows
+
+    def row(i, mask, versions, turns, calls, errors):
+        n = len(mask)
+        return {
+            "sample_id": f"s{i}", "group_id": "g", "prompt_id": "p", "prompt_token_ids": [1],
+            "response_token_ids": [7] * n, "behaviour_logprobs": [-0.1] * n,
+            "token_versions": versions, "finish_reason": "stop", "task": "t", "worker": "w",
+            "loss_mask": mask, "turns": turns, "tool_calls": calls, "tool_errors": errors,
+        }  # fmt: skip
+
+    # Episode 0: turn 1 at v3, observation, turn 2 at v5. Episode 1: one turn at v4.
+    table = table_from_rows(
+        [
+            row(0, [1, 1, 0, 0, 1, 1], [3, 3, 3, 3, 5, 5], turns=2, calls=1, errors=0),
+            row(1, [1, 1], [4, 4], turns=1, calls=0, errors=0),
+        ]
+    )
+    assert turn_starts([1, 1, 0, 0, 1, 1]) == [0, 4]
+    stats = episode_stats(table)
+    assert stats["episode/turns_mean"] == 1.5 and stats["episode/calling_fraction"] == 0.5
+    assert stats["episode/observation_token_share"] == 2 / 8
+    assert stats["episode/tool_error_rate"] == 0.0
+    staleness = staleness_stats(table, policy_version=6)
+    # Turn lags: 6-3, 6-5 and 6-4; the last turns: 6-5 and 6-4.
+    assert staleness["staleness/turn_mean"] == (3 + 1 + 2) / 3
+    assert staleness["staleness/turn_max"] == 3
+    assert staleness["staleness/last_turn_mean"] == (1 + 2) / 2
+    single = table_from_rows([{**row(2, [1], [0], 1, 0, 0), "loss_mask": None}])
+    assert "staleness/turn_mean" not in staleness_stats(single, 1)
+
+
+def test_shaping_earned_in_the_episode_is_added_to_the_verifiers_reward() -> None:
+    from engines.samples import score_table
+    from infra.streams.schema import table_from_rows
+
+    rows = [
+        {
+            "sample_id": f"s{i}", "group_id": "g", "prompt_id": "p", "prompt_token_ids": [1],
+            "response_token_ids": [7], "behaviour_logprobs": [-0.1], "token_versions": [0],
+            "finish_reason": "stop", "task": "t", "worker": "w", "prompt": "q", "answer": "a",
+            "row_json": "{}", "shaping_reward": shaping,
+        }
+        for i, shaping in enumerate([-0.25, 0.0, None])
+    ]  # fmt: skip
+    scored = score_table(table_from_rows(rows), lambda rows, texts: [1.0] * len(rows), str)
+    assert scored.column("reward").to_pylist() == [0.75, 1.0, 1.0]

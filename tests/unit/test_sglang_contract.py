@@ -278,3 +278,61 @@ def test_client_reads_sglang_encoded_responses(api: ModuleType) -> None:
     assert result.behaviour_logprobs == [-0.5, -1.0, -0.25]
     assert result.token_versions == [3, 4, 4]
     assert result.finish_reason == "stop" and result.text == "abc" and result.weight_version == 4
+
+
+def test_every_turn_of_an_episode_is_a_plain_sglang_generate_request(
+    api: ModuleType, model_dir: Path
+) -> None:
+    """Multi-turn episodes need nothing SGLang lacks: each turn is a /generate request
+    on token ids (the conversation so far, never re-tokenized text) that also stops at
+    the call's closing token."""
+    from engines.episodes import EpisodeSpec, ToolResult, run_group
+
+    close, observation = 9, [5, 6]
+    spec = EpisodeSpec("", str(close), close, max_turns=4, max_total_tokens=40)
+    engine = InferenceEngine(model_dir, max_batch_size=4, max_seq_len=64)
+    engine.start()
+    recorder = _Recorder(create_app(engine))
+
+    async def tool(_call: str) -> ToolResult:
+        return ToolResult("ok")
+
+    async def drive() -> list:
+        async with InferenceClient(
+            ["http://sluice.test"], timeout_s=60, transport=recorder
+        ) as client:
+
+            def sample(j: int):
+                async def turn(input_ids: list[int], max_new_tokens: int):
+                    params = {
+                        "max_new_tokens": max_new_tokens,
+                        "stop_token_ids": [close],
+                        "ignore_eos": True,
+                        "sampling_seed": j * 1000 + len(input_ids),
+                    }
+                    return await client.generate(input_ids, params)
+
+                return turn
+
+            return await run_group(
+                [3, 4], 6, spec, sample, tool, lambda _t: observation, lambda ids: str(ids)
+            )
+
+    try:
+        episodes = asyncio.run(drive())
+    finally:
+        engine.shutdown()
+    bodies = [sent for path, sent, _, _ in recorder.exchanges if path == "/generate"]
+    assert len(bodies) == sum(len(e.turns) for e in episodes)
+    assert any(e.tool_calls for e in episodes), "no episode called: pick another closing token"
+    for body in bodies:
+        decoded = api.GenerateRequest.from_json_value(body)
+        assert set(body) <= set(api.GenerateRequest.__struct_fields__)
+        assert "text" not in body and decoded.input_ids[:2] == [3, 4]
+        assert decoded.sampling_params.stop_token_ids == [close]
+    later_turns = [b["input_ids"] for b in bodies if len(b["input_ids"]) > 2]
+    for episode in episodes:
+        for t in range(1, len(episode.turns)):
+            # Turn t sees the prompt and every token before it, observations included.
+            seen = sum(r.generated_tokens + r.observation_tokens for r in episode.turns[:t])
+            assert [3, 4, *episode.response_token_ids[:seen]] in later_turns
