@@ -48,6 +48,7 @@ def warm_cache_key(config: RunConfig) -> str:
     }
     if config.episode.tools:  # the held-out check runs episodes with these tools
         shaping["episode"] = config.episode.model_dump()
+        shaping["corpus"] = repr(build_problem(config))  # the warm-start mix
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -58,8 +58,12 @@ class ToolArith:
     """Largest factor and addend."""
     test_fraction: float = 0.1
     """Share of the prompt space (by text hash) held out."""
-    direct_answer_fraction: float = 0.5
-    """Share of warm-start references that blurt the answer instead of calling the tool."""
+    direct_answer_fraction: float = 0.3
+    """Share of warm-start references that blurt the answer instead of calling the tool.
+    At 0.5 the warm start learned to copy the tool's output within 2,500 steps for two
+    seeds of four (0 and 1, not 2 and 3): half the corpus then teaches the answer digits
+    from the prompt, which the model cannot compute, and the copy after an observation
+    has to win against it. At 0.3 it learned for seeds 2, 3 and 4 within 1,500 steps."""
     name: str = field(default="tool_arith")
 
     def __post_init__(self) -> None:
