@@ -29,7 +29,9 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
+
+from engines.samples import SampledResponse
 
 ToolOutcome = Literal["ok", "error", "timeout"]
 
@@ -63,17 +65,8 @@ class ToolResult:
     outcome: ToolOutcome = "ok"
 
 
-class TurnOutput(Protocol):
-    """One generate call's answer (`infra.serving.protocol.GenerateResponse` fits)."""
-
-    @property
-    def output_ids(self) -> list[int]: ...
-    @property
-    def behaviour_logprobs(self) -> list[float]: ...
-    @property
-    def token_versions(self) -> list[int]: ...
-    @property
-    def finish_reason(self) -> str: ...
+TurnOutput = SampledResponse
+"""One generate call's answer (`infra.serving.protocol.GenerateResponse` fits)."""
 
 
 Generate = Callable[[list[int], int], Awaitable[TurnOutput]]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection
 from decimal import ROUND_FLOOR, Decimal, DivisionByZero, InvalidOperation, localcontext
 
 ToolFn = Callable[[str], str]
@@ -115,20 +115,20 @@ def python_tool(timeout_s: float = 5.0, memory_mb: int = 256) -> ToolFn:
     return run
 
 
-def route_call(call: str, tools: Mapping[str, ToolFn]) -> tuple[str, str]:
-    """`(tool name, its input)` for the text of a call.
+def route_call(call: str, names: Collection[str]) -> tuple[str, str]:
+    """`(tool name, its input)` for the text of a call to one of the tools `names`.
 
     One tool takes the whole call; several need ``name: input`` (a name they know).
     """
-    if not tools:
+    if not names:
         raise ToolError("no tools are configured")
     if len(call) > MAX_CALL_CHARS:
         raise ToolError(f"call longer than {MAX_CALL_CHARS} characters")
-    if len(tools) == 1:
-        (name,) = tools
+    if len(names) == 1:
+        (name,) = names
         return name, call
     name, colon, rest = call.partition(":")
-    if not colon or name.strip() not in tools:
-        known = ", ".join(sorted(tools))
+    if not colon or name.strip() not in names:
+        known = ", ".join(sorted(names))
         raise ToolError(f"a call reads 'name: input' with a name among {known}")
     return name.strip(), rest.strip()

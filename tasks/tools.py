@@ -104,7 +104,7 @@ class ToolBox:
     async def __call__(self, call: str) -> ToolResult:
         self.calls += 1
         try:
-            name, text = route_call(call, dict.fromkeys(self._routes, str))
+            name, text = route_call(call, self._routes.keys())
             output = await self._run(self._routes[name], text)
         except ToolError as err:
             self.errors += 1

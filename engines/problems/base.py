@@ -89,6 +89,18 @@ def final_answer(response_text: str, marker: str = ANSWER_MARKER) -> str | None:
     return response_text.rsplit(marker, 1)[1].strip()
 
 
+def final_answer_is(row: PromptRow, response_text: str) -> bool:
+    """Whether the text after the last `ANSWER_MARKER` is exactly the row's answer."""
+    got = final_answer(response_text)
+    expected = str(row.get("answer", "")).strip()
+    return got is not None and got == expected and expected != ""
+
+
+MAX_SPLIT_ATTEMPTS = 2000
+"""Redraws a sampler may spend to land a prompt in the wanted split before it says the
+prompt space is too small (a hang otherwise)."""
+
+
 def check_split(split: str) -> None:
     """Refuse a split other than 'train' or 'test' with one clear error."""
     if split not in ("train", "test"):

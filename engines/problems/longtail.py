@@ -45,22 +45,19 @@ import numpy as np
 
 from engines.problems.base import (
     ANSWER_MARKER,
+    MAX_SPLIT_ATTEMPTS,
     PromptRow,
     SeedLike,
     Split,
     as_generator,
     check_count,
     check_split,
-    final_answer,
+    final_answer_is,
     split_of,
     stable_hash,
 )
 
 LABELS = string.ascii_lowercase + string.ascii_uppercase
-# Redraws allowed to land a prompt in the wanted split. Default sizes have >= 100
-# distinct prompts each, so this never binds; a degenerate config (1 term of 0..1)
-# may have no test prompt at all and gets a clear error instead of a hang.
-_MAX_SPLIT_ATTEMPTS = 2000
 
 
 @dataclass(frozen=True)
@@ -156,14 +153,14 @@ class LongTailSum:
             k = draw_terms(rng)
             # Redraw digits, never the size, until the prompt lands in the wanted split:
             # the split filter must not bend the size distribution.
-            for _attempt in range(_MAX_SPLIT_ATTEMPTS):
+            for _attempt in range(MAX_SPLIT_ATTEMPTS):
                 digits = rng.integers(0, self.max_digit + 1, size=k).tolist()
                 row = self.make_row(digits)
                 if split_of(row["prompt"], self.test_fraction) == split:
                     break
             else:
                 raise ValueError(
-                    f"longtail_sum: no {split} prompt with {k} terms found in {_MAX_SPLIT_ATTEMPTS} draws; "
+                    f"longtail_sum: no {split} prompt with {k} terms found in {MAX_SPLIT_ATTEMPTS} draws; "
                     "raise max_digit or min_terms so each size has more distinct prompts"
                 )
             rows.append(row)
@@ -204,8 +201,4 @@ class LongTailSum:
         Only the final answer is checked, not the running sums: the reward is what a
         rule verifier can see, and the worked steps are the model's own business.
         """
-        got = final_answer(response_text)
-        if got is None:
-            return False
-        expected = str(row.get("answer", "")).strip()
-        return got == expected and expected != ""
+        return final_answer_is(row, response_text)

@@ -31,13 +31,14 @@ import numpy as np
 
 from engines.problems.base import (
     ANSWER_MARKER,
+    MAX_SPLIT_ATTEMPTS,
     PromptRow,
     SeedLike,
     Split,
     as_generator,
     check_count,
     check_split,
-    final_answer,
+    final_answer_is,
     split_of,
     stable_hash,
 )
@@ -45,7 +46,6 @@ from engines.problems.base import (
 CALL_OPEN, CALL_CLOSE = "[", "]"
 OBSERVATION_TEMPLATE = "> {output}\n"
 SHAPES = ("{a}*{b}+{c}", "{a}*{b}-{c}", "{c}+{a}*{b}")
-_MAX_SPLIT_ATTEMPTS = 2000
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class ToolArith:
     def _sample(self, n: int, rng: np.random.Generator, split: Split) -> list[PromptRow]:
         rows = []
         for _ in range(n):
-            for _attempt in range(_MAX_SPLIT_ATTEMPTS):
+            for _attempt in range(MAX_SPLIT_ATTEMPTS):
                 a, b, c = (int(x) for x in rng.integers(self.low, self.high + 1, size=3))
                 row = self.make_row(a, b, c, int(rng.integers(len(SHAPES))))
                 if split_of(row["prompt"], self.test_fraction) == split:
@@ -138,6 +138,4 @@ class ToolArith:
     def check_answer(self, row: PromptRow, response_text: str) -> bool:
         """Correct when the text after the last '=' is the value: the policy's own answer,
         since the observation carries no '='."""
-        got = final_answer(response_text)
-        expected = str(row.get("answer", "")).strip()
-        return got is not None and got == expected and expected != ""
+        return final_answer_is(row, response_text)
