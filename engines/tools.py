@@ -36,6 +36,10 @@ class ToolError(Exception):
     """A call its tool cannot answer; the message is shown to the model."""
 
 
+class ToolTimeout(ToolError):
+    """A call that ran past its deadline (counted apart from errors)."""
+
+
 def _floor_div(left: Decimal, right: Decimal) -> Decimal:
     # Python's rule (round down), not Decimal's (towards zero): -7 // 2 is -4.
     return (left / right).to_integral_value(rounding=ROUND_FLOOR)
@@ -106,7 +110,7 @@ def python_tool(timeout_s: float = 5.0, memory_mb: int = 256) -> ToolFn:
     def run(code: str) -> str:
         result = run_python(code, timeout_s=timeout_s, memory_mb=memory_mb)
         if result.reason == "timeout":
-            raise ToolError(f"timed out after {timeout_s:g} s")
+            raise ToolTimeout(f"timed out after {timeout_s:g} s")
         if not result.passed:
             lines = (result.stderr or result.reason).strip().splitlines()
             raise ToolError(lines[-1] if lines else result.reason)

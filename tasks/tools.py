@@ -24,7 +24,7 @@ import multiprocessing
 from typing import Any
 
 from engines.episodes import EpisodeSpec, ToolResult
-from engines.tools import ToolError, ToolFn, calculator, python_tool, route_call
+from engines.tools import ToolError, ToolFn, ToolTimeout, calculator, python_tool, route_call
 from infra.config import RunConfig
 
 log = logging.getLogger("sluice.tools")
@@ -106,12 +106,12 @@ class ToolBox:
         try:
             name, text = route_call(call, self._routes.keys())
             output = await self._run(self._routes[name], text)
+        except (TimeoutError, ToolTimeout):
+            self.timeouts += 1
+            return ToolResult(f"error: timed out after {self.timeout_s:g} s", "timeout")
         except ToolError as err:
             self.errors += 1
             return ToolResult(f"error: {err}", "error")
-        except TimeoutError:
-            self.timeouts += 1
-            return ToolResult(f"error: timed out after {self.timeout_s:g} s", "timeout")
         except Exception as err:  # noqa: BLE001 - a user tool's bug is an answer, not a crash
             self.errors += 1
             return ToolResult(f"error: {type(err).__name__}: {err}", "error")

@@ -76,6 +76,20 @@ def test_user_tools_answer_fail_hang_and_die_without_taking_the_role_down(plugin
     assert box.stats() == {"tool_calls": 6, "tool_errors": 2, "tool_timeouts": 1}
 
 
+def test_the_python_tool_runs_in_the_sandbox_and_times_out_as_a_timeout() -> None:
+    box = ToolBox(["python"], timeout_s=2.0)
+
+    async def calls() -> list:
+        return [await box("print(6 * 7)"), await box("1/0"), await box("while True: pass")]
+
+    printed, failed, hung = asyncio.run(calls())
+    box.close()
+    assert (printed.output, printed.outcome) == ("42", "ok")
+    assert failed.outcome == "error" and "ZeroDivisionError" in failed.output
+    assert hung.outcome == "timeout" and "timed out" in hung.output
+    assert box.stats() == {"tool_calls": 3, "tool_errors": 1, "tool_timeouts": 1}
+
+
 def test_a_tool_that_cannot_be_loaded_stops_the_role_at_start(plugin: str) -> None:
     with pytest.raises(ToolSpecError, match="cannot be loaded"):
         ToolBox([f"{plugin}:missing"], timeout_s=1.0)
