@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -227,41 +228,77 @@ def watch_progress(
     pace = StepPace()
     last_state = ""
     control = RunControl(config, paths)
-    statuses: dict[str, dict[str, Any]] = {}
+    poller = StatusPoller(config, run_id, interval_s if budget is None else 0.5)
     stopping = False
-    while not all(f.state.is_final() for f in futures.values()):
-        time.sleep(interval_s if budget is None else min(interval_s, 0.5))
-        if budget is not None and time.monotonic() - started >= budget:
-            if best_effort(control.done_marker, None) is None:
-                best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
-            budget = None
-        # Storage may be what failed: the last statuses read stand in meanwhile.
-        statuses = best_effort(partial(read_statuses, config, paths), statuses) or {}
-        train = statuses.get("train", {})
-        pace.observe(train)
-        step = train.get("step", 0)
-        elapsed, eta = time.monotonic() - started, pace.eta_s(total)
-        if config.trainer.time_budget_s is not None:  # the budget ends the run first
-            left = max(0.0, config.trainer.time_budget_s - elapsed)
-            eta = left if eta is None else min(eta, left)
-        update_progress_artifact(
-            artifact_id,
-            progress=100.0 * min(step, total) / total,
-            description=(
-                f"Sluice run {run_id}: step {step}/{total}, elapsed {format_duration(elapsed)}"
-                f", ETA {'-' if eta is None else format_duration(eta)}"
-            ),
-        )
-        # Printed when the roles report something new, not on every tick of the clock.
-        state = progress_line(statuses, total)
-        if state != last_state:
-            print(progress_line(statuses, total, elapsed, eta), flush=True)
-            last_state = state
-        failed = [r for r, f in futures.items() if f.state.is_failed()]
-        if failed and not stopping:  # one role failed for good: stop the others
-            stopping = True
-            stop_roles(run_id)
-            best_effort(partial(control.mark_done, f"role failed: {', '.join(failed)}"))
+    try:
+        while not all(f.state.is_final() for f in futures.values()):
+            time.sleep(interval_s if budget is None else min(interval_s, 0.5))
+            if budget is not None and time.monotonic() - started >= budget:
+                if best_effort(control.done_marker, None) is None:
+                    best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
+                budget = None
+            statuses = poller.latest()
+            train = statuses.get("train", {})
+            pace.observe(train)
+            step = train.get("step", 0)
+            elapsed, eta = time.monotonic() - started, pace.eta_s(total)
+            if config.trainer.time_budget_s is not None:  # the budget ends the run first
+                left = max(0.0, config.trainer.time_budget_s - elapsed)
+                eta = left if eta is None else min(eta, left)
+            update_progress_artifact(
+                artifact_id,
+                progress=100.0 * min(step, total) / total,
+                description=(
+                    f"Sluice run {run_id}: step {step}/{total}, elapsed {format_duration(elapsed)}"
+                    f", ETA {'-' if eta is None else format_duration(eta)}"
+                ),
+            )
+            # Printed when the roles report something new, not on every tick of the clock.
+            state = progress_line(statuses, total)
+            if state != last_state:
+                print(progress_line(statuses, total, elapsed, eta), flush=True)
+                last_state = state
+            failed = [r for r, f in futures.items() if f.state.is_failed()]
+            if failed and not stopping:  # one role failed for good: stop the others
+                stopping = True
+                stop_roles(run_id)
+                # For roles elsewhere; from a thread, since storage may be what failed.
+                reason = f"role failed: {', '.join(failed)}"
+                threading.Thread(
+                    target=best_effort, args=(partial(control.mark_done, reason),), daemon=True
+                ).start()
+    finally:
+        poller.close()
+
+
+class StatusPoller:
+    """The roles' status documents, read in a background thread every `interval_s`.
+
+    The watch loop takes the newest snapshot and never waits on storage: while the
+    object store hangs, a read can take minutes (the client's timeouts times its
+    retries), and the loop must still see a role fail and stop the others.
+    """
+
+    def __init__(self, config: RunConfig, run_id: str, interval_s: float) -> None:
+        self._config, self._paths = config, run_paths(config, run_id)
+        self._interval_s = interval_s
+        self._latest: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sluice-status", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            read = best_effort(partial(read_statuses, self._config, self._paths))
+            if read is not None:  # None: storage did not answer; the last read stands
+                self._latest = read
+            self._stop.wait(self._interval_s)
+
+    def latest(self) -> dict[str, dict[str, Any]]:
+        return self._latest
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def best_effort(read: Callable[[], T], default: T | None = None) -> T | None:

@@ -1,12 +1,15 @@
 """A config's nested dict before validation: read from a YAML file, then changed by
-`--set key.sub=value` overrides."""
+`--set key.sub=value` overrides; and the one line a config that fails validation gets."""
 
 from __future__ import annotations
 
+import difflib
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
 
 class ConfigError(ValueError):
@@ -62,3 +65,62 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{source}: top level must be a mapping of config sections")
     return loaded
+
+
+# Keys that existed under another name: an old key gets an error naming the new one.
+RENAMED_KEYS: dict[str, str] = {
+    "rollout.eta": "staleness.max_staleness",
+    "rollout.max_staleness": "staleness.max_staleness",
+    "trainer.batch_size": "trainer.prompts_per_batch",
+    "trainer.max_tokens_per_mb": "trainer.max_tokens_per_micro_batch",
+    "rollout.n_samples": "rollout.group_size",
+    "model.dtype": "rollout.dtype",
+    "problem.eval_dataset": "evaluation.dataset",
+    "problem.num_eval_prompts": "evaluation.num_prompts",
+    "problem.eval_samples": "evaluation.samples",
+    "problem.eval_temperature": "evaluation.temperature",
+    "problem.eval_greedy": "evaluation.greedy",
+    "trainer.eval_every": "evaluation.every",
+    "trainer.eval_during_run": "evaluation.during_run",
+}
+
+# Keys that are gone, with what to do instead.
+REMOVED_KEYS: dict[str, str] = {}
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_valid_keys(ann, dotted + "."))
+    return keys
+
+
+def _closest(key: str, model: type[BaseModel]) -> str:
+    if key in RENAMED_KEYS:
+        return f"; it was renamed to '{RENAMED_KEYS[key]}'"
+    if key in REMOVED_KEYS:
+        return f"; {REMOVED_KEYS[key]}"
+    valid = _valid_keys(model)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not match:
+        leaf = key.rsplit(".", 1)[-1]
+        match = [k for k in valid if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def format_validation_error(err: ValidationError, source: str, model: type[BaseModel]) -> str:
+    """One line for the first problem pydantic found: the key and, for an unknown key,
+    its new name or the closest valid one."""
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown config key '{key}'{_closest(key, model)}"
+    value = first.get("input")
+    shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    where = f"'{key}'" if key else "config"
+    return f"{source}: invalid value for {where} = {shown}: {first['msg']}{more}"

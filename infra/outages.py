@@ -123,12 +123,24 @@ def probe_storage(
 ) -> str | None:
     """None when the object store behind `url` answers, else why it does not.
 
-    One small listing; an answer such as "no such key" counts as answering.
+    One small listing, one attempt: the probe asks whether the store answers now, so
+    it leaves out the client's retries (which could outlast `timeout_s` against a
+    store that is up but slow) and gives the request the whole `timeout_s`. An answer
+    such as "no such key" counts as answering.
     """
     from infra.storage import open_filesystem
 
+    options = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        once = {"connect_timeout": timeout_s, "read_timeout": timeout_s}
+        once["retries"] = {"max_attempts": 1}
+        options["config_kwargs"] = {**options.get("config_kwargs", {}), **once}
+        options["skip_instance_cache"] = True  # not the roles' cached client
+
     def probe() -> None:
-        fs, path = open_filesystem(url, storage_options)
+        fs, path = open_filesystem(url, options)
+        if hasattr(fs, "retries"):
+            fs.retries = 1  # s3fs retries timeouts itself on top of botocore
         fs.invalidate_cache()
         fs.ls(path, detail=False)  # "no such key" is an answer too (see `_within`)
 

@@ -24,7 +24,8 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import shipped_policy
 from engines.model import build_tiny_policy
-from engines.warmstart import EpisodeCheck, warm_start
+from engines.warm_checks import EpisodeCheck
+from engines.warmstart import warm_start
 from infra.checkpoints import save_checkpoint
 from infra.config import RunConfig
 from tasks.common import run_paths, run_registry

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from infra.config import REMOVED_KEYS, RENAMED_KEYS, RunConfig
+from infra.config import RunConfig
+from infra.config_overrides import REMOVED_KEYS, RENAMED_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("engines", "infra", "tasks", "flows")

@@ -7,12 +7,12 @@ import torch
 
 from engines.model import load_policy_dir
 from engines.problems.longtail import LongTailSum
+from engines.warm_checks import evaluate_greedy
 from engines.warmstart import (
     IGNORE_INDEX,
     WARM_START_MARKER,
     WeightAverage,
     encode_supervised,
-    evaluate_greedy,
     length_bucketed,
     read_warm_start,
     supervised_step,
