@@ -230,6 +230,30 @@ def watch_progress(
     control = RunControl(config, paths)
     poller = StatusPoller(config, run_id, interval_s if budget is None else 0.5)
     stopping = False
+
+    def show(statuses: dict[str, dict[str, Any]], last_state: str) -> str:
+        """Progress artifact and console line; the line only when the roles report
+        something new, not on every tick of the clock. Returns the state shown."""
+        train = statuses.get("train", {})
+        pace.observe(train)
+        step = train.get("step", 0)
+        elapsed, eta = time.monotonic() - started, pace.eta_s(total)
+        if config.trainer.time_budget_s is not None:  # the budget ends the run first
+            left = max(0.0, config.trainer.time_budget_s - elapsed)
+            eta = left if eta is None else min(eta, left)
+        update_progress_artifact(
+            artifact_id,
+            progress=100.0 * min(step, total) / total,
+            description=(
+                f"Sluice run {run_id}: step {step}/{total}, elapsed {format_duration(elapsed)}"
+                f", ETA {'-' if eta is None else format_duration(eta)}"
+            ),
+        )
+        state = progress_line(statuses, total)
+        if state != last_state:
+            print(progress_line(statuses, total, elapsed, eta), flush=True)
+        return state
+
     try:
         while not all(f.state.is_final() for f in futures.values()):
             time.sleep(interval_s if budget is None else min(interval_s, 0.5))
@@ -237,27 +261,7 @@ def watch_progress(
                 if best_effort(control.done_marker, None) is None:
                     best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
                 budget = None
-            statuses = poller.latest()
-            train = statuses.get("train", {})
-            pace.observe(train)
-            step = train.get("step", 0)
-            elapsed, eta = time.monotonic() - started, pace.eta_s(total)
-            if config.trainer.time_budget_s is not None:  # the budget ends the run first
-                left = max(0.0, config.trainer.time_budget_s - elapsed)
-                eta = left if eta is None else min(eta, left)
-            update_progress_artifact(
-                artifact_id,
-                progress=100.0 * min(step, total) / total,
-                description=(
-                    f"Sluice run {run_id}: step {step}/{total}, elapsed {format_duration(elapsed)}"
-                    f", ETA {'-' if eta is None else format_duration(eta)}"
-                ),
-            )
-            # Printed when the roles report something new, not on every tick of the clock.
-            state = progress_line(statuses, total)
-            if state != last_state:
-                print(progress_line(statuses, total, elapsed, eta), flush=True)
-                last_state = state
+            last_state = show(poller.latest(), last_state)
             failed = [r for r, f in futures.items() if f.state.is_failed()]
             if failed and not stopping:  # one role failed for good: stop the others
                 stopping = True
@@ -269,6 +273,9 @@ def watch_progress(
                 ).start()
     finally:
         poller.close()
+    if not any(f.state.is_failed() for f in futures.values()):
+        # Finished (storage answers): read once more, so the last line shows the end.
+        show(best_effort(partial(read_statuses, config, paths)) or poller.latest(), last_state)
 
 
 class StatusPoller:

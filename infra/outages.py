@@ -132,7 +132,7 @@ def probe_storage(
 
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
-        once = {"connect_timeout": timeout_s, "read_timeout": timeout_s}
+        once: dict[str, Any] = {"connect_timeout": timeout_s, "read_timeout": timeout_s}
         once["retries"] = {"max_attempts": 1}
         options["config_kwargs"] = {**options.get("config_kwargs", {}), **once}
         options["skip_instance_cache"] = True  # not the roles' cached client
