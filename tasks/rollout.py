@@ -28,13 +28,18 @@ from typing import Any
 
 from engines.episodes import EpisodeSpec, Generate, run_group
 from engines.groups import group_index_of, group_key, reissue_plan, resume_gate
+from engines.inference.profile import StepProfile
 from engines.samples import episode_columns, group_rows, version_span
 from engines.staleness import StalenessGate
 from infra.checkpoint_cache import fetch_checkpoint
 from infra.config import RunConfig
 from infra.registry import CommittedVersion
 from infra.serving import protocol
-from infra.serving.client import InferenceClient, InferenceServerUnreachableError
+from infra.serving.client import (
+    InferenceClient,
+    InferenceServerError,
+    InferenceServerUnreachableError,
+)
 from infra.streams.reader import StreamReader
 from infra.streams.schema import table_from_rows
 from tasks.common import ROLLOUTS
@@ -46,6 +51,8 @@ from tasks.tools import Shaping, ToolBox, episode_spec
 log = logging.getLogger("sluice.rollout")
 
 FIRST_VERSION_TIMEOUT_S = 600.0
+PROFILE_INTERVAL_S = 10.0
+"""How often the servers' measured step costs are read into the role's status."""
 """How long the rollout role waits for policy version 0 before it gives up."""
 
 
@@ -66,6 +73,8 @@ class RolloutStats:
     tool_errors: int = 0
     tool_timeouts: int = 0
     observation_tokens: int = 0
+    engine_profile: dict[str, Any] | None = None
+    """The servers' measured step costs, summed (engines.inference.profile)."""
 
     def record_group(self, rows: list[dict[str, Any]]) -> None:
         """Count one group written to the stream (`rows`: its samples)."""
@@ -99,6 +108,7 @@ class RolloutStats:
             "max_version_span": self.max_version_span,
             "server_recoveries": self.server_recoveries,
             **(self.episode_status() if self.episode_turns else {}),
+            **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
         }
 
     def episode_status(self) -> dict[str, Any]:
@@ -341,7 +351,7 @@ class RolloutRole(Role):
             log.info("re-issuing %d groups that were in flight before the restart", len(reissue))
         max_in_flight = max(1, (2 * cfg.rollout.max_batch_size) // cfg.rollout.group_size)
         in_flight: dict[asyncio.Task[list[dict[str, Any]]], tuple[int, int]] = {}
-        last_poll = 0.0
+        last_poll = last_profile = 0.0
         idle_since: float | None = None
         while not self.control.should_stop():
             now = time.monotonic()
@@ -351,6 +361,9 @@ class RolloutRole(Role):
                     await self.maybe_update_weights(client)
                 except InferenceServerUnreachableError as exc:
                     await self.recover_servers(client, exc)
+            if now - last_profile >= PROFILE_INTERVAL_S:
+                last_profile = now
+                await self.read_profiles(client)
             version = self.current.policy_version if self.current else 0
             while len(in_flight) < max_in_flight:
                 ticket = gate.try_start(version)
@@ -395,7 +408,25 @@ class RolloutRole(Role):
             self._report(gate, version)
         for task in in_flight:
             task.cancel()
+        await self.read_profiles(client)
         self.status.update(force=True, state="stopped", **self.stats.as_status())
+
+    async def read_profiles(self, client: InferenceClient) -> None:
+        """Keep the servers' measured step costs for the run's status (best effort: a
+        server that does not answer now is read next time)."""
+        try:
+            profiles = await client.step_profiles()
+        except (InferenceServerError, ValueError) as exc:
+            log.debug("step profiles not read: %s", exc)
+            return
+        merged: StepProfile | None = None
+        for data in profiles.values():
+            if data is None:
+                continue
+            profile = StepProfile.from_dict(data)
+            merged = profile if merged is None else merged.merged(profile)
+        if merged is not None:
+            self.stats.engine_profile = merged.as_dict()
 
     async def recover_servers(
         self, client: InferenceClient, error: InferenceServerUnreachableError

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,8 @@ from infra.tracking import log_metrics
 from tasks.common import Background
 from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.training import TrainingRole, advantage_fn, build_trainer
+
+SAMPLED_LENGTHS = 4096
 
 
 def sample_seed(seed: int, group_index: int, sample: int) -> int:
@@ -97,11 +100,16 @@ class SyncRole(TrainingRole):
         background = Background("sync-commit")
         started = time.monotonic()
         generate_s = trained_tokens = 0.0
+        # (prompt, response) lengths of the newest samples: what the capacity planner
+        # draws its workload from (the async roles' come from the rollouts stream).
+        lengths: deque[tuple[int, int]] = deque(maxlen=SAMPLED_LENGTHS)
         while version < cfg.trainer.total_steps and not self.control.should_stop():
             t0 = time.monotonic()
             prompts, requests = step_requests(cfg, source, version)
             outputs = engine.generate(requests)  # returns when the longest response is done
-            generate_s += time.monotonic() - t0
+            step_generate_s = time.monotonic() - t0
+            generate_s += step_generate_s
+            lengths.extend((len(o.prompt_token_ids), len(o.output_token_ids)) for o in outputs)
             rewards = [
                 float(
                     verifier(
@@ -149,6 +157,8 @@ class SyncRole(TrainingRole):
                     "train/wall_time_s": elapsed,
                     "train/idle_ratio": generate_s / elapsed,  # the trainer waits while generating
                     "rollout/longest_over_mean_length": longest / max(1.0, mean),
+                    "rollout/generate_time_s": step_generate_s,
+                    **({"train/commit_s": self.last_commit_s} if self.last_commit_s else {}),
                 }
             )
             background.submit(
@@ -161,6 +171,8 @@ class SyncRole(TrainingRole):
                 staleness_mean=0.0,
                 trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
                 wall_time_s=elapsed,
+                engine_profile=engine.profile.as_dict(),
+                sampled_lengths=list(lengths),
             )
         background.close()
         trainer.close()

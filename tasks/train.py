@@ -49,6 +49,8 @@ log = logging.getLogger("sluice.train")
 CONSUMED_FILE = "consumed_shards.json"
 LOST_CHECK_INTERVAL_S = 5.0
 """How often a trainer waiting on missing groups checks whether they were quarantined."""
+BATCH_POLL_S = 0.05
+"""How often the trainer looks for the rest of its batch while it waits."""
 
 
 def lost_groups(rollouts: StreamReader, scored: StreamReader, indices: list[int]) -> list[int]:
@@ -122,7 +124,7 @@ class TrainRole(TrainingRole):
         def wait_a_little() -> None:
             nonlocal waited, last_check, lost
             t0 = time.monotonic()
-            self.control.sleep(0.05)
+            self.control.sleep(BATCH_POLL_S)
             waited += time.monotonic() - t0
             if time.monotonic() - last_check < LOST_CHECK_INTERVAL_S:
                 return
@@ -225,6 +227,8 @@ class TrainRole(TrainingRole):
             metrics["train/idle_ratio"] = waited_total / max(1e-9, elapsed)
             metrics["train/effective_tokens_per_s"] = trained_tokens_total / max(1e-9, elapsed)
             metrics["train/wall_time_s"] = elapsed
+            if self.last_commit_s is not None:
+                metrics["train/commit_s"] = self.last_commit_s
             rollout_status = read_statuses(cfg, self.paths).get("rollout", {})
             for key in ("tokens_per_s", "idle_ratio", "partial_rollout_ratio", "weight_updates"):
                 if key in rollout_status:

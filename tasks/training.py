@@ -9,6 +9,7 @@ status document.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,9 @@ class TrainingRole(Role):
     """Appended to the done marker's reason ("trained N steps{note}")."""
 
     lease: StorageLease | None = None
+    last_commit_s: float | None = None
+    """How long the latest upload + registry commit took (what a version waits before
+    the rollout can see it)."""
 
     def claim_run(self) -> None:
         """Hold the run's trainer lease (`LeaseHeld` if a live trainer has it), renewed
@@ -100,12 +104,14 @@ class TrainingRole(Role):
         A role whose lease was taken over commits nothing (`LeaseLost`)."""
         if self.lease is not None:
             self.lease.check()
+        started = time.monotonic()
         uri = save_checkpoint(
             local, self.paths.checkpoint(version), storage_options=self.config.storage.options
         )
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
         )
+        self.last_commit_s = time.monotonic() - started
         return uri
 
     def finish(self, version: int) -> None:

@@ -129,6 +129,8 @@ class SlotBatch:
         self.generated_tokens = 0
         self.recomputed_tokens = 0
         self.prefilled_tokens = 0
+        self.last_decode_context = 0
+        """Context tokens (prompt + generated) the last decode step attended over, all rows."""
 
     def drop_all(self) -> list[RequestState]:
         """Empty the slots (their KV is forgotten) and return the sequences in slot order."""
@@ -272,6 +274,7 @@ class SlotBatch:
         positions = torch.tensor(position_list, device=self.device)
         input_ids = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         kv_length = max(position_list) + 1
+        self.last_decode_context = sum(position_list) + len(position_list)
         keys = torch.arange(kv_length, device=self.device)
         mask = torch.zeros((len(seqs), 1, 1, kv_length), dtype=self.dtype, device=self.device)
         mask.masked_fill_((keys[None, :] > positions[:, None])[:, None, None, :], self._mask_min)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engines.inference.batch import Finished, RequestState, SlotBatch
+from engines.inference.profile import StepProfile
 from engines.inference.types import (
     EngineShutdownError,
     FinishReason,
@@ -77,6 +78,8 @@ class Scheduler:
         self._stop_thread = False
         self._closed = False
         self.step_count = 0
+        self.profile = StepProfile()
+        """Measured decode-step and prefill costs (what the capacity planner fits)."""
 
     # ------------------------------------------------------------ properties
 
@@ -411,9 +414,20 @@ class Scheduler:
                     admitted.append(self._waiting.popleft())
             if admitted:
                 version = self._weight_version
-                self._finish_all(self._batch.admit(admitted, step=self.step_count, version=version))
+                prefilled = self._batch.prefilled_tokens
+                started = time.perf_counter()
+                finished = self._batch.admit(admitted, step=self.step_count, version=version)
+                self.profile.add_prefill(
+                    self._batch.prefilled_tokens - prefilled, time.perf_counter() - started
+                )
+                self._finish_all(finished)
             if self._batch.running:
-                self._finish_all(self._batch.decode(version=self._weight_version))
+                rows = len(self._batch.running)
+                started = time.perf_counter()
+                finished = self._batch.decode(version=self._weight_version)
+                elapsed = time.perf_counter() - started
+                self.profile.add_decode(rows, self._batch.last_decode_context, elapsed)
+                self._finish_all(finished)
             self._changed.notify_all()
             return True
 

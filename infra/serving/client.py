@@ -337,6 +337,17 @@ class InferenceClient:
                 )
             await asyncio.sleep(poll_interval_s)
 
+    async def step_profiles(self) -> dict[str, dict[str, Any] | None]:
+        """Each server's measured step costs (``/server_info``), None where it keeps none
+        (an SGLang server)."""
+        infos = await self._broadcast("GET", protocol.SERVER_INFO)
+        out: dict[str, dict[str, Any] | None] = {}
+        for url, info in infos.items():
+            states = info.get("internal_states") or [{}]
+            profile = states[0].get("step_profile") if isinstance(states[0], dict) else None
+            out[url] = profile if isinstance(profile, dict) else None
+        return out
+
     async def model_info(self) -> dict[str, dict[str, Any]]:
         """Each server's ``/model_info`` (model path, weight version, ...)."""
         return await self._broadcast("GET", protocol.MODEL_INFO)

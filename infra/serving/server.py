@@ -265,6 +265,8 @@ def create_app(
                         "num_waiting_reqs": engine.num_waiting,
                         "paused": engine.paused,
                         "weight_version": protocol.version_label(engine.weight_version),
+                        # Sluice's own: measured step costs for the capacity planner.
+                        "step_profile": engine.profile.as_dict(),
                     }
                 ],
             }

@@ -19,6 +19,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engines.inference.engine import InferenceEngine
+from engines.inference.profile import StepProfile
 from engines.inference.types import GenerationRequest, SamplingParams
 from infra.serving.client import (
     InferenceClient,
@@ -163,10 +164,13 @@ def test_pause_update_continue_switches_versions_mid_response(served: Served) ->
             await client.continue_()
             result = await task
             info = await client.model_info()
-            return result, paused, info
+            profiles = await client.step_profiles()
+            return result, paused, info, profiles
 
-    result, paused, info = _run(go())
+    result, paused, info, profiles = _run(go())
     assert paused == {served.url: 1}
+    # The server reports its measured step costs, the 300 decode steps included.
+    assert StepProfile.from_dict(profiles[served.url]).decode_steps >= 299
     assert info[served.url]["weight_version"] == str(new_version)
     assert info[served.url]["model_path"] == str(new_dir)
     switch = result.token_versions.index(new_version)
