@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any, get_args
 
+from flows.plan_args import add_plan_parser
+from flows.run_dirs import resolve_run
 from infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
 
 BENCHMARKS = ["time-to-target", "async-vs-sync", "staleness", "mismatch", "determinism"]
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set seed=S shifts them)",
     )
     _add_config_args(bench)
+    add_plan_parser(sub)
     return parser
 
 
@@ -227,36 +229,6 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]
     return args, config
 
 
-def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tuple[str, RunConfig]:
-    """An earlier run (for `sluice eval` or `--resume`) and its own config, `--set` on top.
-
-    `sluice train` saves each run's resolved config as {workdir}/runs/{run}/config.json.
-    Evaluating with it, not with CONFIG, keeps storage and MLflow pointing where the run
-    wrote its checkpoints and registry; CONFIG and --set only have to locate the workdir.
-    No `run` means the run whose config was written last (a resume rewrites it).
-    Raises ConfigError with one line naming the run.
-    """
-    runs_dir = Path(config.workdir) / "runs"
-    saved = sorted(
-        runs_dir.glob("*/config.json"), key=lambda path: (path.stat().st_mtime, path.parent.name)
-    )
-    if run is None:
-        if not saved:
-            raise ConfigError(
-                f"no runs to evaluate under {runs_dir} (none has a config.json); "
-                "train one with 'sluice train' or point --set workdir=... at its workdir"
-            )
-        path = saved[-1]
-    else:
-        path = runs_dir / run / "config.json"
-        # A run id is one directory name: anything else would resolve outside runs_dir.
-        if Path(run).name != run or run.startswith(".") or not path.is_file():
-            names = sorted(p.parent.name for p in saved)
-            known = f"; runs there: {', '.join(names[-5:])}" if names else ""
-            raise ConfigError(f"run '{run}' not found: no {path}{known}")
-    return path.parent.name, load_config(path, overrides)
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args, config = parse(argv)
@@ -275,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(config)
     if args.command == "bench":
         return run_bench(args, config)
+    if args.command == "plan":
+        from flows.plan import run_plan
+
+        try:
+            return run_plan(args, config)
+        except (ConfigError, ValueError) as err:  # bad input or a run lacking measurements
+            return fail(err)
     return 2
 
 

@@ -38,6 +38,9 @@ class StepProfile:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     prefill_calls: int = 0
+    prefill_xx: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """Σ tokens² and Σ tokens·t over admissions: with the counts above, the sums of the
+    fit t = a_p + p·tokens per admission (a fixed cost per pass, then per token)."""
 
     def add_decode(self, rows: int, context_tokens: int, seconds: float) -> None:
         x = (1.0, float(rows), float(context_tokens))
@@ -56,6 +59,8 @@ class StepProfile:
         self.prefill_tokens += tokens
         self.prefill_s += seconds
         self.prefill_calls += 1
+        self.prefill_xx[0] += float(tokens) * tokens
+        self.prefill_xx[1] += tokens * seconds
 
     @property
     def decode_steps(self) -> int:
@@ -71,6 +76,7 @@ class StepProfile:
             "prefill_tokens": self.prefill_tokens,
             "prefill_s": self.prefill_s,
             "prefill_calls": self.prefill_calls,
+            "prefill_xx": list(self.prefill_xx),
         }
 
     @classmethod
@@ -84,6 +90,7 @@ class StepProfile:
                 prefill_tokens=int(data["prefill_tokens"]),
                 prefill_s=float(data["prefill_s"]),
                 prefill_calls=int(data["prefill_calls"]),
+                prefill_xx=[float(v) for v in data.get("prefill_xx", [0.0, 0.0])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a step profile: {type(exc).__name__}: {exc}") from None
@@ -109,4 +116,5 @@ class StepProfile:
             prefill_tokens=self.prefill_tokens + other.prefill_tokens,
             prefill_s=self.prefill_s + other.prefill_s,
             prefill_calls=self.prefill_calls + other.prefill_calls,
+            prefill_xx=[a + b for a, b in zip(self.prefill_xx, other.prefill_xx, strict=True)],
         )

@@ -1,0 +1,37 @@
+"""Find an earlier run's directory and its saved config (`sluice eval`, `--resume`, `sluice plan`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infra.config import ConfigError, RunConfig, load_config
+
+
+def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tuple[str, RunConfig]:
+    """An earlier run (for `sluice eval` or `--resume`) and its own config, `--set` on top.
+
+    `sluice train` saves each run's resolved config as {workdir}/runs/{run}/config.json.
+    Evaluating with it, not with CONFIG, keeps storage and MLflow pointing where the run
+    wrote its checkpoints and registry; CONFIG and --set only have to locate the workdir.
+    No `run` means the run whose config was written last (a resume rewrites it).
+    Raises ConfigError with one line naming the run.
+    """
+    runs_dir = Path(config.workdir) / "runs"
+    saved = sorted(
+        runs_dir.glob("*/config.json"), key=lambda path: (path.stat().st_mtime, path.parent.name)
+    )
+    if run is None:
+        if not saved:
+            raise ConfigError(
+                f"no runs to evaluate under {runs_dir} (none has a config.json); "
+                "train one with 'sluice train' or point --set workdir=... at its workdir"
+            )
+        path = saved[-1]
+    else:
+        path = runs_dir / run / "config.json"
+        # A run id is one directory name: anything else would resolve outside runs_dir.
+        if Path(run).name != run or run.startswith(".") or not path.is_file():
+            names = sorted(p.parent.name for p in saved)
+            known = f"; runs there: {', '.join(names[-5:])}" if names else ""
+            raise ConfigError(f"run '{run}' not found: no {path}{known}")
+    return path.parent.name, load_config(path, overrides)

@@ -1,0 +1,77 @@
+"""`sluice plan --from-run` on real runs: a sync run and an async run of the tiny model
+measure their own costs, and the planner reads them back and recommends a layout."""
+
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from infra.config import load_config
+from infra.tracking import get_client
+from tasks.measurements import measure_run
+from tests.flows.conftest import tiny_run_overrides
+
+pytestmark = pytest.mark.flows
+
+
+def test_plan_from_a_sync_and_an_async_run_recommends_a_split_and_logs_its_plot(
+    prefect_api, tmp_path, capsys
+):
+    from flows.train import train
+    from flows.train_sync import train_sync
+
+    overrides = tiny_run_overrides(tmp_path, **{"trainer.total_steps": 10})
+    config = load_config("default", overrides)
+    train_sync(config, run_id="measured-sync")
+    train(config, run_id="measured-async")
+
+    # What the runs left for the planner: step profiles, lengths, per-step timings.
+    sync = measure_run(config, "measured-sync")
+    asynchronous = measure_run(config, "measured-async")
+    assert (sync.mode, asynchronous.mode) == ("sync", "async")
+    for run in (sync, asynchronous):
+        assert run.profile.decode_steps > 0 and run.profile.prefill_tokens > 0
+        assert run.response_lengths and max(run.response_lengths) <= 12
+        assert 0.0 <= run.trainer_idle_ratio <= 1.0 and run.trained_tokens_per_s > 0
+        assert len(run.train_steps) == run.steps > 0
+    assert asynchronous.weight_updates > 0 and asynchronous.rollout_idle_ratio is not None
+    assert sync.generate_s_per_step is not None and sync.generate_s_per_step > 0
+
+    capsys.readouterr()
+    code = main(
+        [
+            "plan",
+            *[a for o in overrides for a in ("--set", o)],
+            "--from-run",
+            "measured-async",
+            "--from-run",
+            "measured-sync",
+            "--devices",
+            "4",
+            "--eta",
+            "0",
+            "--eta",
+            "2",
+            "--steps",
+            "8",
+        ]
+    )
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
+    assert "**recommended**: rollout" in out
+    assert "| all (sync) |" in out
+    for split in ("1:3", "2:2", "3:1"):
+        assert f"| {split}" in out
+    assert "scaling exponents fitted from runs on 1 and [2] devices" in out
+    plans = list((Path(config.workdir) / "plans").glob("plan-*.png"))
+    assert len(plans) == 1 and plans[0].stat().st_size > 1000
+    client = get_client(config.tracking.uri)
+    runs = client.search_runs(
+        [client.get_experiment_by_name(config.tracking.experiment).experiment_id],
+        filter_string="attributes.run_name LIKE 'plan-%'",
+    )
+    assert len(runs) == 1
+    artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id, "plots")}
+    assert artifacts == {"plots/plan.png"}
+    assert runs[0].data.params["recommended.max_staleness"] in {"0", "2"}
