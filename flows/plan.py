@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ def build_plan(
     workload: Workload,
     base: Layout,
     *,
+    costs_for: Callable[[Layout], CostModel] | None = None,
     etas: tuple[int, ...],
     batches: tuple[int, ...],
     staleness_cap: int | None,
@@ -68,13 +70,15 @@ def build_plan(
 
     `one_server`: a CPU plan, where a role's threads are its devices: the rollout's are
     one server, and the sync baseline runs one server on every device (as
-    `sluice train --sync` does)."""
+    `sluice train --sync` does). `costs_for`: costs measured on a layout's own device
+    counts where a calibration run had them (else `costs`)."""
+    cost_of = costs_for or (lambda _layout: costs)
     layouts = async_layouts(base, etas=etas, batch_sizes=batches, one_server=one_server)
     if not layouts:
         raise ConfigError(
             f"no async layout fits {base.devices} devices with {base.devices_per_server} per server"
         )
-    candidates = sweep(workload, costs, layouts, steps=steps)
+    candidates = sweep(workload, cost_of, layouts, steps=steps)
     best = recommend(candidates, staleness_cap=staleness_cap)
     sync_layout = replace(
         base,
@@ -82,7 +86,9 @@ def build_plan(
         prompts_per_batch=best.layout.prompts_per_batch,
         devices_per_server=base.devices if one_server else base.devices_per_server,
     )
-    sync = Candidate(sync_layout, simulate(workload, costs, sync_layout, steps=steps))
+    sync = Candidate(
+        sync_layout, simulate(workload, cost_of(sync_layout), sync_layout, steps=steps)
+    )
     return Plan(
         source, notes, costs, workload, base.devices, tuple(candidates), sync, best, staleness_cap
     )
@@ -257,6 +263,7 @@ def plan_from_runs(config: RunConfig, args: argparse.Namespace) -> Plan:
         calibration.costs,
         workload_of(first),
         base,
+        costs_for=calibration.costs_for,
         etas=tuple(args.etas or DEFAULT_ETAS),
         batches=tuple(args.batches or (first.prompts_per_batch,)),
         staleness_cap=args.staleness_cap,

@@ -15,7 +15,7 @@ from the settings the papers state, on datasheet figures.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engines.planner.calibrate import (
@@ -91,19 +91,11 @@ def _pct(x: float | None, signed: bool = False) -> str:
     return f"{100 * x:+.0f}%" if signed else f"{100 * x:.0f}%"
 
 
-def predict(run: RunMeasurements, calibration: Calibration) -> tuple[SimResult, float]:
-    """The simulator's view of `run` (its own layout and workload) and the share of the
-    sampled tokens its trainer kept (groups with no reward spread are dropped)."""
-    workload = workload_of(run)
-    sampled = run.prompts_per_batch * run.group_size
-    mean_tokens = sum(run.prompt_lengths) / len(run.prompt_lengths) + sum(
-        run.response_lengths
-    ) / len(run.response_lengths)
-    kept_tokens = sum(s.trained_tokens for s in run.train_steps) / max(1, len(run.train_steps))
-    kept = min(1.0, kept_tokens / (sampled * mean_tokens))
-    workload = replace(workload, trained_fraction=kept)
+def predict(run: RunMeasurements, calibration: Calibration) -> SimResult:
+    """The simulator's view of `run`: its own layout and workload (lengths, the share of
+    tokens its trainer kept), the calibration's costs."""
     layout = layout_of(run)
-    return simulate(workload, calibration.costs_for(layout), layout, steps=PREDICT_STEPS), kept
+    return simulate(workload_of(run), calibration.costs_for(layout), layout, steps=PREDICT_STEPS)
 
 
 def table_a(measured: dict[str, RunMeasurements], calibration: Calibration) -> list[str]:
@@ -115,7 +107,7 @@ def table_a(measured: dict[str, RunMeasurements], calibration: Calibration) -> l
         if run.calibration:
             continue
         m = measured[run.label]
-        result, _ = predict(m, calibration)
+        result = predict(m, calibration)
         lines.append(
             f"| {run.label} | {_pct(m.trainer_idle_ratio)} | {_pct(result.trainer_idle_ratio)} "
             f"| {_pct(result.trainer_idle_ratio - m.trainer_idle_ratio, True)} pts "

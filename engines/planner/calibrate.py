@@ -369,12 +369,20 @@ def _sync_overhead(run: RunMeasurements) -> float:
 
 
 def workload_of(run: RunMeasurements) -> Workload:
+    """The run's prompt and response lengths, and the share of the sampled tokens its
+    trainer kept (Sluice drops groups whose rewards are all equal)."""
     if not run.response_lengths or not run.prompt_lengths:
         raise ValueError(f"run {run.run_id} has no measured prompt and response lengths")
+    mean_tokens = float(np.mean(run.prompt_lengths)) + float(np.mean(run.response_lengths))
+    sampled = run.prompts_per_batch * run.group_size * mean_tokens
+    trained = (
+        float(np.mean([s.trained_tokens for s in run.train_steps])) if run.train_steps else sampled
+    )
     return Workload(
         response_lengths=run.response_lengths,
         prompt_lengths=run.prompt_lengths,
         group_size=run.group_size,
+        trained_fraction=min(1.0, max(1e-3, trained / sampled)),
     )
 
 

@@ -13,7 +13,7 @@ split in steps of one inference server, every η and batch size asked for),
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from engines.planner.costs import CostModel, Layout, Workload
@@ -68,18 +68,27 @@ def async_layouts(
 
 def sweep(
     workload: Workload,
-    costs: CostModel,
+    costs: CostModel | Callable[[Layout], CostModel],
     layouts: Iterable[Layout],
     *,
     steps: int = 20,
     warmup_steps: int = 3,
     seed: int = 0,
 ) -> list[Candidate]:
-    """Simulate every layout with the same workload draws (same seed)."""
+    """Simulate every layout with the same workload draws (same seed). `costs` may depend
+    on the layout (``Calibration.costs_for``: costs measured on its device counts)."""
+    cost_of = costs if callable(costs) else (lambda _layout: costs)
     return [
         Candidate(
             layout,
-            simulate(workload, costs, layout, steps=steps, warmup_steps=warmup_steps, seed=seed),
+            simulate(
+                workload,
+                cost_of(layout),
+                layout,
+                steps=steps,
+                warmup_steps=warmup_steps,
+                seed=seed,
+            ),
         )
         for layout in layouts
     ]
