@@ -35,7 +35,7 @@ the calibration says it assumed them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -112,6 +112,24 @@ class Calibration:
         return self.by_devices.get((layout.devices_per_server, layout.train_devices), self.costs)
 
 
+def _nonnegative(
+    solve: Callable[[list[int]], np.ndarray], active: list[int], size: int
+) -> list[float]:
+    """Least squares over the `active` terms, dropping the most negative term and solving
+    again until none is negative (a cost cannot be; a line fitted over a narrow range can
+    tip below zero). Dropped terms are 0."""
+    coef = [0.0] * size
+    active = list(active)
+    while active:
+        solution = solve(active)
+        if (solution >= 0).all():
+            for index, value in zip(active, solution, strict=True):
+                coef[index] = float(value)
+            break
+        active.pop(int(np.argmin(solution)))
+    return coef
+
+
 def fit_decode(profile: StepProfile) -> tuple[float, float, float]:
     """(a, r, d) of ``t = a + r*rows + d*context`` from the profile's normal equations,
     dropping terms that would come out negative (then refitting the rest)."""
@@ -119,17 +137,13 @@ def fit_decode(profile: StepProfile) -> tuple[float, float, float]:
         raise ValueError("the run's step profile holds no decode steps")
     xx = np.array(profile.xx, dtype=float)
     xt = np.array(profile.xt, dtype=float)
-    active = [0, 1, 2]
-    coef = np.zeros(3)
-    while active:
-        sub = np.ix_(active, active)
-        solution, *_ = np.linalg.lstsq(xx[sub], xt[active], rcond=None)
-        if (solution >= 0).all():
-            coef[:] = 0.0
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
-    return float(coef[0]), float(coef[1]), float(coef[2])
+
+    def solve(active: list[int]) -> np.ndarray:
+        solution, *_ = np.linalg.lstsq(xx[np.ix_(active, active)], xt[active], rcond=None)
+        return np.asarray(solution)
+
+    a, r, d = _nonnegative(solve, [0, 1, 2], 3)
+    return a, r, d
 
 
 def fit_prefill(profile: StepProfile) -> tuple[float, float]:
@@ -139,13 +153,17 @@ def fit_prefill(profile: StepProfile) -> tuple[float, float]:
     if calls == 0 or tokens == 0:
         return 0.0, 0.0
     squares, cross = profile.prefill_xx
-    if squares > 0:
-        xx = np.array([[calls, tokens], [tokens, squares]], dtype=float)
-        xt = np.array([profile.prefill_s, cross])
-        solution, *_ = np.linalg.lstsq(xx, xt, rcond=None)
-        if (solution >= 0).all():
-            return float(solution[0]), float(solution[1])
-    return 0.0, profile.prefill_s / tokens
+    if squares <= 0:
+        return 0.0, profile.prefill_s / tokens
+    xx = np.array([[calls, tokens], [tokens, squares]], dtype=float)
+    xt = np.array([profile.prefill_s, cross])
+
+    def solve(active: list[int]) -> np.ndarray:
+        solution, *_ = np.linalg.lstsq(xx[np.ix_(active, active)], xt[active], rcond=None)
+        return np.asarray(solution)
+
+    per_pass, per_token = _nonnegative(solve, [0, 1], 2)
+    return per_pass, per_token
 
 
 def fit_train(steps: Sequence[TrainStep]) -> tuple[float, float, float]:
@@ -162,19 +180,16 @@ def fit_train(steps: Sequence[TrainStep]) -> tuple[float, float, float]:
         np.array([float(s.micro_batches) for s in steps]),
         np.array([float(s.trained_tokens) for s in steps]),
     ]
-    active = [0, 2] if np.ptp(columns[1]) == 0 else [0, 1, 2]
     if np.ptp(columns[2]) == 0:  # one token count: only the mean per token is known
         return 0.0, 0.0, float(t.mean() / max(1.0, columns[2][0]))
-    coef = np.zeros(3)
-    while active:
+
+    def solve(active: list[int]) -> np.ndarray:
         x = np.stack([columns[i] for i in active], axis=1)
         solution, *_ = np.linalg.lstsq(x, t, rcond=None)
-        if (solution >= 0).all():
-            coef[:] = 0.0
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
-    return float(coef[0]), float(coef[1]), float(coef[2])
+        return np.asarray(solution)
+
+    s, m, k = _nonnegative(solve, [0, 2] if np.ptp(columns[1]) == 0 else [0, 1, 2], 3)
+    return s, m, k
 
 
 @dataclass(frozen=True)
