@@ -14,20 +14,24 @@ synchronous colocated baseline on the same devices, and ``engines.planner.search
 picks the layout to run. The table, the recommendation, the calibration notes and a
 plot of throughput against the split are printed and written under
 ``{workdir}/plans/``; the plan is also logged to MLflow (a run ``plan-{tag}`` holding
-the markdown, the PNG and the recommendation as params). ``--validate`` prints the
-validation tables instead (``flows/plan_validation.py``).
+the markdown, the PNG and the recommendation as params). ``plan_runs`` is the same
+plan from runs as a Prefect flow (the table becomes the flow run's markdown artifact).
+``--validate`` prints the validation tables instead (``flows/plan_validation.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from engines.planner.costs import CostModel, Layout, Workload
 from engines.planner.search import Candidate, async_layouts, recommend, sweep
@@ -187,8 +191,10 @@ def plot_plan(plan: Plan) -> Any:
     return fig
 
 
-def publish_plan(config: RunConfig, plan: Plan, tag: str) -> tuple[Path, Path, str]:
-    """The markdown and PNG under {workdir}/plans/, and an MLflow run `plan-{tag}`."""
+def publish_plan(config: RunConfig, plan: Plan) -> tuple[Path, Path, str]:
+    """The markdown and PNG under {workdir}/plans/, and an MLflow run `plan-{tag}` (tag:
+    the UTC time and a short random suffix, so two plans in one second stay apart)."""
+    tag = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{uuid.uuid4().hex[:4]}"
     from infra.tracking import (
         end_run,
         log_artifact_file,
@@ -243,20 +249,33 @@ def publish_plan(config: RunConfig, plan: Plan, tag: str) -> tuple[Path, Path, s
     return md, png, run
 
 
-def plan_from_runs(config: RunConfig, args: argparse.Namespace) -> Plan:
+def plan_from_runs(
+    config: RunConfig,
+    runs: list[str],
+    *,
+    overrides: list[str] | None = None,
+    devices: int | None = None,
+    etas: list[int] | None = None,
+    batches: list[int] | None = None,
+    staleness_cap: int | None = None,
+    steps: int = 20,
+) -> Plan:
+    """A plan from what `runs` (under the config's workdir) measured; the workload is the
+    first run's."""
     from engines.planner.calibrate import calibrate, layout_of, workload_of
     from flows.run_dirs import resolve_run
     from tasks.measurements import measure_run
 
+    if not runs:
+        raise ConfigError("a plan from runs needs at least one run")
     measured = []
-    for run in args.runs:
-        run_id, run_config = resolve_run(config, run, args.overrides)
+    for run in runs:
+        run_id, run_config = resolve_run(config, run, list(overrides or []))
         measured.append(measure_run(run_config, run_id))
     calibration = calibrate(measured)
     first = measured[0]
     base = replace(layout_of(first), mode="async")
-    devices = args.devices or base.devices
-    base = replace(base, devices=devices, devices_per_server=1, rollout_devices=1)
+    base = replace(base, devices=devices or base.devices, devices_per_server=1, rollout_devices=1)
     return build_plan(
         f"run{'s' if len(measured) > 1 else ''} {', '.join(m.run_id for m in measured)}",
         calibration.notes,
@@ -264,12 +283,43 @@ def plan_from_runs(config: RunConfig, args: argparse.Namespace) -> Plan:
         workload_of(first),
         base,
         costs_for=calibration.costs_for,
-        etas=tuple(args.etas or DEFAULT_ETAS),
-        batches=tuple(args.batches or (first.prompts_per_batch,)),
-        staleness_cap=args.staleness_cap,
-        steps=args.steps,
+        etas=tuple(etas or DEFAULT_ETAS),
+        batches=tuple(batches or (first.prompts_per_batch,)),
+        staleness_cap=staleness_cap,
+        steps=steps,
         one_server=True,
     )
+
+
+@flow(name="sluice-plan", log_prints=True)
+def plan_runs(
+    config: RunConfig,
+    runs: list[str],
+    devices: int | None = None,
+    etas: list[int] | None = None,
+    batches: list[int] | None = None,
+    staleness_cap: int | None = None,
+) -> dict[str, Any]:
+    """`sluice plan --from-run` as a Prefect flow (a deployment or another flow can run
+    it): the plan's table is the flow run's markdown artifact, its plot and
+    recommendation go to MLflow. Returns the recommendation."""
+    plan = plan_from_runs(
+        config, runs, devices=devices, etas=etas, batches=batches, staleness_cap=staleness_cap
+    )
+    md, png, mlflow_run = publish_plan(config, plan)
+    create_markdown_artifact(format_plan(plan), key="sluice-plan", description=plan.source)
+    best = plan.best
+    return {
+        "rollout_devices": best.layout.rollout_devices,
+        "train_devices": best.layout.train_devices,
+        "max_staleness": best.layout.max_staleness,
+        "prompts_per_batch": best.layout.prompts_per_batch,
+        "trained_tokens_per_s": best.throughput,
+        "speedup_over_sync": best.throughput / plan.sync.throughput,
+        "mlflow_run_id": mlflow_run,
+        "plot": str(png),
+        "table": str(md),
+    }
 
 
 def plan_from_hardware(config: RunConfig, args: argparse.Namespace) -> Plan:
@@ -333,9 +383,20 @@ def run_plan(args: argparse.Namespace, config: RunConfig) -> int:
         return run_validation(config, horizon_s=args.horizon)
     if bool(args.runs) == bool(args.hardware):
         raise ConfigError("sluice plan needs either --from-run RUN or --hardware GPU --model NAME")
-    plan = plan_from_runs(config, args) if args.runs else plan_from_hardware(config, args)
-    tag = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    md, png, mlflow_run = publish_plan(config, plan, tag)
+    if args.runs:
+        plan = plan_from_runs(
+            config,
+            args.runs,
+            overrides=args.overrides,
+            devices=args.devices,
+            etas=args.etas,
+            batches=args.batches,
+            staleness_cap=args.staleness_cap,
+            steps=args.steps,
+        )
+    else:
+        plan = plan_from_hardware(config, args)
+    md, png, mlflow_run = publish_plan(config, plan)
     print(format_plan(plan))
     print(f"plan: {md}\nplot: {png}\nMLflow run: {mlflow_run} ({PLOT_ARTIFACT})")
     return 0

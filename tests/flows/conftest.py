@@ -38,3 +38,21 @@ def tiny_run_overrides(tmp_path, **extra):
     }
     base.update({k: str(v) for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def flow_run_artifacts(flow_run_id):
+    """The Prefect artifacts one flow run created (read from the harness's API)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+                )
+            )
+
+    return asyncio.run(read())

@@ -5,8 +5,6 @@ Version 0 is committed the way the train flow does it (an MLflow run, then
 a tiny model instead of a training run.
 """
 
-import asyncio
-
 import pytest
 
 from infra.config import load_config
@@ -14,21 +12,11 @@ from infra.registry import CheckpointRegistry
 from infra.tracking import get_client, get_metric_history, start_or_resume_run
 from tasks.common import registered_model_name
 from tasks.prepare import ensure_version_zero
-from tests.flows.conftest import tiny_run_overrides
+from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
 
 RUN_ID = "evaltest"
-
-
-async def _artifacts(flow_run_id):
-    from prefect.client.orchestration import get_client as prefect_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    async with prefect_client() as client:
-        return await client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-        )
 
 
 def test_evaluate_flow_logs_tags_and_reports_a_committed_version(prefect_api, tmp_path):
@@ -60,7 +48,7 @@ def test_evaluate_flow_logs_tags_and_reports_a_committed_version(prefect_api, tm
     assert float(tags["eval.pass_at_1"]) == round(result["eval/pass_at_1"], 4)
 
     # Prefect: a table and a markdown summary on the flow run.
-    artifacts = asyncio.run(_artifacts(state.state_details.flow_run_id))
+    artifacts = flow_run_artifacts(state.state_details.flow_run_id)
     kinds = {a.key: a.type for a in artifacts}
     assert kinds.get(TABLE_ARTIFACT_KEY) == "table"
     assert kinds.get(SUMMARY_ARTIFACT_KEY) == "markdown"

@@ -9,7 +9,7 @@ from flows.cli import main
 from infra.config import load_config
 from infra.tracking import get_client
 from tasks.measurements import measure_run
-from tests.flows.conftest import tiny_run_overrides
+from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
 
@@ -71,7 +71,18 @@ def test_plan_from_a_sync_and_an_async_run_recommends_a_split_and_logs_its_plot(
         [client.get_experiment_by_name(config.tracking.experiment).experiment_id],
         filter_string="attributes.run_name LIKE 'plan-%'",
     )
-    assert len(runs) == 1
+    assert len(runs) == 1  # the CLI's; the flow's below is the second
     artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id, "plots")}
     assert artifacts == {"plots/plan.png"}
     assert runs[0].data.params["recommended.max_staleness"] in {"0", "2"}
+
+    # The same plan as a Prefect flow: its table is the flow run's markdown artifact.
+    from flows.plan import plan_runs
+
+    state = plan_runs(config, ["measured-async"], devices=2, etas=[1], return_state=True)
+    assert state.is_completed(), state.message
+    best = state.result()
+    assert (best["rollout_devices"], best["train_devices"], best["max_staleness"]) == (1, 1, 1)
+    assert best["trained_tokens_per_s"] > 0 and Path(best["plot"]).is_file()
+    artifacts = flow_run_artifacts(state.state_details.flow_run_id)
+    assert any(a.key == "sluice-plan" and "**recommended**" in a.data for a in artifacts)

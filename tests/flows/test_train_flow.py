@@ -1,8 +1,6 @@
 """A short real `train` flow under the Prefect harness: roles in processes, real MLflow,
 real Arrow shards on disk. Checks what a user would look at afterwards."""
 
-import asyncio
-
 import pytest
 
 from infra.config import load_config
@@ -10,19 +8,9 @@ from infra.registry import CheckpointRegistry
 from infra.streams.reader import StreamReader
 from infra.tracking import get_metric_history
 from tasks.common import registered_model_name
-from tests.flows.conftest import tiny_run_overrides
+from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
-
-
-async def _artifacts(flow_run_id):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    async with get_client() as client:
-        return await client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-        )
 
 
 def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
@@ -70,7 +58,7 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     assert held_out[0][0] == 0 and held_out[-1][0] == 3
 
     # Prefect: summary and per-version table artifacts on the flow run.
-    keys = {a.key for a in asyncio.run(_artifacts(state.state_details.flow_run_id))}
+    keys = {a.key for a in flow_run_artifacts(state.state_details.flow_run_id)}
     assert {"run-summary", "policy-versions"} <= keys
 
 
