@@ -72,7 +72,7 @@ def measure_run(config: RunConfig, run_id: str, *, skip_steps: int = 5) -> RunMe
     uri, mlflow_run_id = config.tracking.uri, latest.run_id
     statuses = read_statuses(config, run_paths(config, run_id))
     train_status = statuses.get("train", {})
-    sync = "sampled_lengths" in train_status
+    sync = latest.tags.get("mode") == "sync"  # the sync loop tags the versions it commits
     wall = _history(uri, mlflow_run_id, "train/wall_time_s")
     first, last = _window(sorted(wall), skip_steps)
     window = [s for s in sorted(wall) if first < s <= last]
@@ -92,11 +92,11 @@ def measure_run(config: RunConfig, run_id: str, *, skip_steps: int = 5) -> RunMe
     rollout_idle: float | None = None
     if sync:
         profile_data = train_status.get("engine_profile")
-        pairs = train_status["sampled_lengths"]
+        pairs = train_status.get("sampled_lengths") or []
         prompt_lengths, response_lengths = [p for p, _ in pairs], [r for _, r in pairs]
         generate = _history(uri, mlflow_run_id, "rollout/generate_time_s")
         busy = sum(generate.values())
-        threads = role_threads(config, "sync")
+        threads = int(train_status.get("threads") or role_threads(config, "sync"))
         rollout_threads = train_threads = threads
         updates, update_s = 0, 0.0
         generate_per_step: float | None = sum(generate[s] for s in window if s in generate) / len(
@@ -110,8 +110,9 @@ def measure_run(config: RunConfig, run_id: str, *, skip_steps: int = 5) -> RunMe
         updates = int(rollout.get("weight_updates", 0))
         update_s = float(rollout.get("update_time_s", 0.0))
         busy = elapsed * (1.0 - rollout.get("idle_ratio", 0.0)) - update_s
-        rollout_threads = role_threads(config, "rollout")
-        train_threads = role_threads(config, "train")
+        # The counts the roles ran with (status), else what this machine would give them.
+        rollout_threads = int(rollout.get("threads") or role_threads(config, "rollout"))
+        train_threads = int(train_status.get("threads") or role_threads(config, "train"))
         generate_per_step = None
         history = _history(uri, mlflow_run_id, "rollout/idle_ratio")
         if first in history and last in history:

@@ -24,7 +24,7 @@ from infra.streams.errors import CorruptShardError
 from infra.streams.names import ShardRef
 from infra.streams.reader import StreamReader
 from infra.streams.writer import StreamWriter
-from tasks.common import RunControl, StatusReporter, run_paths, run_registry
+from tasks.common import RunControl, StatusReporter, role_threads, run_paths, run_registry
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -75,6 +75,8 @@ class Role:
 
     name = "role"
     """The status document the role writes (`_status/{name}.json`)."""
+    thread_role = ""
+    """The role `common.role_threads` counts threads for (empty: `name`)."""
 
     @property
     def poll_interval_s(self) -> float:
@@ -88,6 +90,9 @@ class Role:
         self.paths = run_paths(config, run_id)
         self.control = RunControl(config, self.paths)
         self.status = StatusReporter(config, self.paths, self.name)
+        # The thread count this role runs with, for readers on another machine (the
+        # capacity planner), where the config's "None = follow the cores" means otherwise.
+        self.status.fields["threads"] = role_threads(config, self.thread_role or self.name)
         self.registry = run_registry(config, run_id)
 
     @classmethod

@@ -51,9 +51,12 @@ from tasks.tools import Shaping, ToolBox, episode_spec
 log = logging.getLogger("sluice.rollout")
 
 FIRST_VERSION_TIMEOUT_S = 600.0
+"""How long the rollout role waits for policy version 0 before it gives up."""
 PROFILE_INTERVAL_S = 10.0
 """How often the servers' measured step costs are read into the role's status."""
-"""How long the rollout role waits for policy version 0 before it gives up."""
+PROFILE_READ_TIMEOUT_S = 5.0
+"""Longest a read of the step costs may take: it is bookkeeping, and a server that does
+not answer must not hold the role (least of all while it stops)."""
 
 
 @dataclass
@@ -415,9 +418,9 @@ class RolloutRole(Role):
         """Keep the servers' measured step costs for the run's status (best effort: a
         server that does not answer now is read next time)."""
         try:
-            profiles = await client.step_profiles()
-        except (InferenceServerError, ValueError) as exc:
-            log.debug("step profiles not read: %s", exc)
+            profiles = await asyncio.wait_for(client.step_profiles(), PROFILE_READ_TIMEOUT_S)
+        except (InferenceServerError, ValueError, TimeoutError) as exc:
+            log.debug("step profiles not read: %s", exc or type(exc).__name__)
             return
         merged: StepProfile | None = None
         for data in profiles.values():

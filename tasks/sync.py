@@ -29,6 +29,7 @@ from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
 from tasks.training import TrainingRole, advantage_fn, build_trainer
 
 SAMPLED_LENGTHS = 4096
+"""How many of the newest (prompt, response) lengths the status keeps: the planner's workload."""
 
 
 def sample_seed(seed: int, group_index: int, sample: int) -> int:
@@ -70,6 +71,7 @@ class SyncRole(TrainingRole):
     """Generate, score and train on the same cores; writes the `train` status document."""
 
     name = "train"
+    thread_role = "sync"
     finished_note = " (sync)"
 
     def run(self) -> None:
