@@ -30,7 +30,6 @@ from flows.bench import label_slug, run_shape, with_settings
 from flows.plan_published import table_b
 from infra.config import RunConfig
 
-TOLERANCE = 0.15
 PREDICT_STEPS = 40
 
 

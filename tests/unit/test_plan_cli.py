@@ -94,3 +94,31 @@ def test_the_published_table_has_a_row_per_result_and_says_what_it_assumed() -> 
         assert any(line.startswith(f"| {p.label}:") for line in rows)
         assert any(line.startswith(f"- {p.label}:") for line in lines)  # its notes
     assert any("assumed efficiencies" in line for line in lines)
+
+
+def test_validation_table_a_predicts_each_run_from_the_calibration_runs_only() -> None:
+    from engines.planner.calibrate import calibrate
+    from flows.plan_validation import CPU_RUNS, table_a
+    from tests.unit.planner_runs import measured_run
+
+    measured = {
+        run.label: measured_run(
+            run.mode,
+            2 if run.mode == "sync" else 1,
+            1e-3,
+            4e-6,
+            max_staleness=run.max_staleness,
+            generate_s_per_step=0.1 if run.mode == "sync" else None,
+            rollout_idle_ratio=None if run.mode == "sync" else 0.3,
+        )
+        for run in CPU_RUNS
+    }
+    calibration = calibrate([measured[r.label] for r in CPU_RUNS if r.calibration])
+    rows = [
+        line for line in table_a(measured, calibration) if line.startswith("| ") and "%" in line
+    ]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        r.label for r in CPU_RUNS if not r.calibration
+    ]
+    # Measured 1,000 trained tokens/s in every run: each row prints it and its error.
+    assert all("| 1,000 |" in row and "% |" in row for row in rows)

@@ -9,7 +9,6 @@ import pytest
 
 from engines.inference.profile import StepProfile
 from engines.planner.calibrate import (
-    RunMeasurements,
     TrainStep,
     calibrate,
     fit_decode,
@@ -21,18 +20,12 @@ from engines.planner.costs import CostModel, Layout, Workload
 from engines.planner.hardware import GPUS, MODELS, Efficiency, gpu_costs, kv_slots, with_efficiency
 from engines.planner.search import Candidate, async_layouts, recommend
 from engines.planner.simulate import simulate
-
-
-def _profile(a: float, r: float, d: float, points: list[tuple[int, int]]) -> StepProfile:
-    profile = StepProfile()
-    for rows, context in points:
-        profile.add_decode(rows, context, a + r * rows + d * context)
-    return profile
+from tests.unit.planner_runs import measured_profile, measured_run
 
 
 def test_decode_fit_recovers_the_line_it_was_given() -> None:
     # t = 1 ms + 20 µs/row + 5 ns/context token, at three independent points.
-    profile = _profile(1e-3, 2e-5, 5e-9, [(1, 100), (8, 400), (32, 9000), (16, 1000)])
+    profile = measured_profile(1e-3, 2e-5, 5e-9, [(1, 100), (8, 400), (32, 9000), (16, 1000)])
     a, r, d = fit_decode(profile)
     assert (a, r, d) == pytest.approx((1e-3, 2e-5, 5e-9), rel=1e-6)
 
@@ -70,44 +63,11 @@ def test_train_fit_separates_per_step_and_per_token_costs() -> None:
     assert fit_train([TrainStep(0.2, 1000, 1)] * 3) == pytest.approx((0.0, 0.0, 2e-4))
 
 
-def _run(mode: str, threads: int, a: float, k: float, **changes: object) -> RunMeasurements:
-    profile = _profile(a, 0.0, 0.0, [(4, 100), (8, 200), (16, 400)] * 10)
-    base = RunMeasurements(
-        run_id=f"{mode}{threads}",
-        mode=mode,
-        rollout_threads=threads,
-        train_threads=threads,
-        prompts_per_batch=4,
-        group_size=2,
-        max_staleness=1,
-        interruptible=True,
-        publish_every=1,
-        slots_per_server=16,
-        max_tokens_per_micro_batch=4096,
-        response_lengths=(5, 10),
-        prompt_lengths=(3,),
-        profile=profile,
-        train_steps=tuple(TrainStep(k * n, n, 1) for n in (1000, 2000, 3000)),
-        steps=3,
-        wall_s=3.0,
-        trainer_idle_ratio=0.5,
-        trained_tokens_per_s=1000.0,
-        rollout_busy_s=a * profile.decode_steps,  # no serving overhead
-        weight_updates=2,
-        update_time_s=0.2,
-        commit_s=0.02,
-        rollout_poll_s=0.5,
-        reward_poll_s=0.25,
-        trainer_poll_s=0.05,
-    )
-    return replace(base, **changes)
-
-
 def test_runs_on_one_and_two_devices_fit_the_scaling_exponents() -> None:
     # Async on 1 thread: 1 ms a decode step, 4 µs a token. Sync on 2 threads: decode
     # 1/2**0.5 as long (exponent 0.5), training half as long (exponent 1).
-    one = _run("async", 1, 1e-3, 4e-6)
-    two = _run("sync", 2, 1e-3 / math.sqrt(2), 2e-6, generate_s_per_step=0.1)
+    one = measured_run("async", 1, 1e-3, 4e-6)
+    two = measured_run("sync", 2, 1e-3 / math.sqrt(2), 2e-6, generate_s_per_step=0.1)
     costs = calibrate([one, two]).costs
     assert costs.decode_scaling == pytest.approx(0.5)
     assert costs.train_scaling == pytest.approx(1.0)
@@ -121,22 +81,22 @@ def test_runs_on_one_and_two_devices_fit_the_scaling_exponents() -> None:
 
 
 def test_one_run_keeps_the_assumed_exponents_and_says_so() -> None:
-    calibration = calibrate([_run("async", 1, 1e-3, 4e-6)], decode_scaling=0.7)
+    calibration = calibrate([measured_run("async", 1, 1e-3, 4e-6)], decode_scaling=0.7)
     assert calibration.costs.decode_scaling == 0.7
     assert any("assumed" in note for note in calibration.notes)
 
 
 def test_serving_overhead_is_charged_per_decode_step() -> None:
-    run = _run("async", 1, 1e-3, 4e-6)
+    run = measured_run("async", 1, 1e-3, 4e-6)
     busy = run.rollout_busy_s + 0.3  # 0.3 s outside the profiled steps
     costs = calibrate([replace(run, rollout_busy_s=busy)]).costs
     assert costs.decode_step_s == pytest.approx(1e-3 + 0.3 / run.profile.decode_steps)
 
 
 def test_a_runs_layout_puts_its_threads_in_one_server() -> None:
-    sync = layout_of(_run("sync", 2, 1e-3, 4e-6))
+    sync = layout_of(measured_run("sync", 2, 1e-3, 4e-6))
     assert (sync.mode, sync.devices, sync.servers) == ("sync", 2, 1)
-    run = layout_of(_run("async", 1, 1e-3, 4e-6))
+    run = layout_of(measured_run("async", 1, 1e-3, 4e-6))
     assert (run.devices, run.rollout_devices, run.train_devices, run.max_staleness) == (2, 1, 1, 1)
 
 
@@ -189,8 +149,8 @@ def test_recommend_takes_the_freshest_layout_within_two_percent_of_the_best() ->
 def test_a_cost_too_small_to_fit_leaves_its_exponent_assumed() -> None:
     # The sync run's training fit to zero per token (too few steps to separate it): no
     # exponent can be read from it, so the assumed one stays; decode still fits.
-    one = _run("async", 1, 1e-3, 4e-6)
-    two = _run("sync", 2, 1e-3 / 2, 0.0, generate_s_per_step=0.1)
+    one = measured_run("async", 1, 1e-3, 4e-6)
+    two = measured_run("sync", 2, 1e-3 / 2, 0.0, generate_s_per_step=0.1)
     costs = calibrate([one, two], train_scaling=0.8).costs
     assert costs.train_scaling == 0.8
     assert costs.decode_scaling == pytest.approx(1.0)
