@@ -10,7 +10,7 @@
 
 A bad config fails here in milliseconds with one line, before torch, Prefect or
 MLflow are imported. Every command lives here (exit codes, error lines, what is
-printed); the flows it calls (flows/train.py, flows/evaluate.py, flows/bench.py, ...)
+printed); the flows it calls (flows/train.py, flows/evaluate.py, flows/bench/async_vs_sync.py, ...)
 are imported only once the arguments are known to be good.
 """
 
@@ -21,9 +21,9 @@ import os
 import sys
 from typing import Any, get_args
 
-from flows.plan_args import add_plan_parser
-from flows.run_dirs import resolve_run
-from infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
+from sluice.flows.planner.args import add_plan_parser
+from sluice.flows.run_dirs import resolve_run
+from sluice.infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
 
 BENCHMARKS = ["time-to-target", "async-vs-sync", "staleness", "mismatch", "determinism"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionConfig.model_fields["mode"].annotation)
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
     """Study options that cannot apply fail here, before anything is imported or run."""
-    from flows.study_stats import VARIED_KEYS
+    from sluice.flows.bench.study_stats import VARIED_KEYS
 
     allowed = {
         ("variants", "--variant"): {"async-vs-sync", "time-to-target"},
@@ -184,7 +184,7 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
     if args.delta is not None and not args.delta > 0:
         raise ConfigError(f"--delta must be > 0, got {args.delta}")
     if args.name == "time-to-target" and args.variants:
-        from flows.study_stats import TIME_TO_TARGET_CONTENDERS
+        from sluice.flows.bench.study_stats import TIME_TO_TARGET_CONTENDERS
 
         unknown = [v for v in args.variants if v not in TIME_TO_TARGET_CONTENDERS]
         if unknown:
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return run_bench(args, config)
     if args.command == "plan":
-        from flows.plan import run_plan
+        from sluice.flows.planner.plan import run_plan
 
         try:
             return run_plan(args, config)
@@ -267,16 +267,16 @@ def fail(err: Exception | str, code: int = 2) -> int:
 
 
 def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
-    from tasks.supervise import RunStopped, quiet_run_stopped_tracebacks
+    from sluice.tasks.process.supervisor import RunStopped, quiet_run_stopped_tracebacks
 
     quiet_run_stopped_tracebacks()
     try:
         if sync:
-            from flows.train_sync import train_sync
+            from sluice.flows.train_sync import train_sync
 
             result = train_sync(config)
         else:
-            from flows.train import ResumeError, train
+            from sluice.flows.train import ResumeError, train
 
             try:
                 result = train(config, run_id=resume, resume=bool(resume))
@@ -296,7 +296,7 @@ def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
             print(f"  {key.replace('_', ' ')}: {result[key]:.3f}")
     print(f"  checkpoint:  {result.get('checkpoint_uri', '-')}")
     if "core_split" in result:
-        from tasks.report import core_split_lines
+        from sluice.tasks.run.report import core_split_lines
 
         for line in core_split_lines(result["core_split"]):
             print(f"  {line[2:]}")
@@ -313,9 +313,9 @@ def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
 
 def run_eval(config: RunConfig, run_id: str, version: int | None = None) -> int:
     """Exit 2 with one line when the version does not exist, else evaluate it."""
-    from flows.evaluate import VersionNotFound, evaluate, find_version
-    from infra.registry import RegistryError
-    from infra.tracking import TrackingError
+    from sluice.flows.evaluate import VersionNotFound, evaluate, find_version
+    from sluice.infra.registry import RegistryError
+    from sluice.infra.tracking import TrackingError
 
     try:
         find_version(config, run_id, version)
@@ -356,7 +356,7 @@ def run_serve(config: RunConfig) -> int:
     from prefect import serve
     from prefect.settings import get_current_settings
 
-    from flows.deployments import build_deployments, next_steps
+    from sluice.flows.deployments import build_deployments, next_steps
 
     deployments = build_deployments(config)
     settings = get_current_settings()
@@ -372,11 +372,11 @@ def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
     if args.name == "determinism":
         return bench_determinism(config, args.overrides)
     # Bench-sized settings unless --set chose otherwise.
-    from flows.bench import apply_bench_defaults
+    from sluice.flows.bench.async_vs_sync import apply_bench_defaults
 
     seeds = args.seeds or 3
     if args.name in ("staleness", "mismatch"):
-        from flows.studies import STUDIES, bench_mismatch, bench_staleness
+        from sluice.flows.bench.studies import STUDIES, bench_mismatch, bench_staleness
 
         config = apply_bench_defaults(config, args.overrides, STUDIES[args.name].defaults)
         if args.name == "staleness":
@@ -385,7 +385,7 @@ def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
             bench_mismatch(config, modes=args.modes, seeds=seeds)
         return 0
     if args.name == "time-to-target":
-        from flows.time_to_target import TTT_DEFAULTS, bench_time_to_target
+        from sluice.flows.bench.time_to_target import TTT_DEFAULTS, bench_time_to_target
 
         config = apply_bench_defaults(config, args.overrides, TTT_DEFAULTS)
         bench_time_to_target(
@@ -396,7 +396,7 @@ def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
             delta=args.delta or 0.2,
         )
         return 0
-    from flows.bench import bench_async_vs_sync
+    from sluice.flows.bench.async_vs_sync import bench_async_vs_sync
 
     bench_async_vs_sync(apply_bench_defaults(config, args.overrides), variants=args.variants)
     return 0
@@ -406,11 +406,15 @@ def bench_determinism(config: RunConfig, overrides: list[str]) -> int:
     """0 when both runs matched, 1 if not; `DEFAULT_STEPS` steps unless
     `--set trainer.total_steps=N` is given."""
     try:
-        from flows.determinism import DEFAULT_STEPS, apply_check_defaults, determinism_check
+        from sluice.flows.bench.determinism import (
+            DEFAULT_STEPS,
+            apply_check_defaults,
+            determinism_check,
+        )
     except ModuleNotFoundError as err:
-        if err.name != "flows.determinism":
+        if err.name != "sluice.flows.bench.determinism":
             raise
-        return fail("flows/determinism.py is not in this checkout")
+        return fail("flows/bench/determinism.py is not in this checkout")
     explicit = {o.partition("=")[0].strip() for o in overrides}
     steps = config.trainer.total_steps if "trainer.total_steps" in explicit else DEFAULT_STEPS
     result = determinism_check(apply_check_defaults(config, overrides), steps)

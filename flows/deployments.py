@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, cast
 
-from infra.config import RunConfig
+from sluice.infra.config import RunConfig
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -62,12 +62,12 @@ def build_deployments(config: RunConfig) -> list[RunnerDeployment]:
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
-    from flows.reproduce import reproduce
-    from flows.train import train
-    from flows.train_sync import train_sync
+    from sluice.flows.reproduce import reproduce
+    from sluice.flows.train import train
+    from sluice.flows.train_sync import train_sync
 
     resolved = config.model_dump(mode="json")
-    # Module entrypoints (flows.train.train) load from the installed package, so the
+    # Module entrypoints (sluice.flows.train.train) load from the installed package, so the
     # served runs work from any working directory, inside a container included.
     common: dict[str, Any] = {"entrypoint_type": EntrypointType.MODULE_PATH}
     reproduce_parameters: dict[str, Any] = {"config_name": REPRODUCE_CONFIG}

@@ -25,15 +25,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.config import RunConfig, load_config
-from infra.registry import CommittedVersion
-from infra.tracking import (
+from sluice.infra.config import RunConfig, load_config
+from sluice.infra.registry import CommittedVersion
+from sluice.infra.tracking import (
     end_run,
     get_client,
     log_config,
     start_or_resume_run,
 )
-from tasks.common import registered_model_name, run_registry
+from sluice.tasks.run.paths import registered_model_name, run_registry
 
 TABLE_ARTIFACT_KEY = "policy-evaluation"
 SUMMARY_ARTIFACT_KEY = "policy-evaluation-summary"
@@ -150,9 +150,9 @@ def evaluate(
     checkpoints and the registry); None means flows/configs/default.yaml. `version` None
     evaluates the newest committed version.
     """
-    # tasks.evaluate imports torch: importing it here lets `sluice eval` reject a missing
+    # sluice.tasks.evaluate imports torch: importing it here lets `sluice eval` reject a missing
     # version (flows/cli.py) in about a second.
-    from tasks.evaluate import evaluate_version
+    from sluice.tasks.evaluate import evaluate_version
 
     config = config or load_config("default")
     logger = get_run_logger()

@@ -13,8 +13,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.train import train
-from infra.config import CONFIG_DIR, ConfigError, load_config
+from sluice.flows.train import train
+from sluice.infra.config import CONFIG_DIR, ConfigError, load_config
 
 
 class ReproductionFailed(AssertionError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.config import ConfigError, RunConfig, load_config
+from sluice.infra.config import ConfigError, RunConfig, load_config
 
 
 def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tuple[str, RunConfig]:

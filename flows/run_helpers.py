@@ -21,12 +21,14 @@ from typing import Any, TypeVar
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra.config import RunConfig
-from infra.outages import outage_cause
-from infra.storage import exists
-from tasks.common import RunControl, filesystem, read_json, read_statuses, run_paths, write_json
-from tasks.launch import close_launcher, warm_launcher
-from tasks.supervise import RunStopped, forget_stop, run_role, stop_roles
+from sluice.infra.config import RunConfig
+from sluice.infra.outages import outage_cause
+from sluice.infra.storage import exists
+from sluice.tasks.process.launcher import close_launcher, warm_launcher
+from sluice.tasks.process.supervisor import RunStopped, forget_stop, run_role, stop_roles
+from sluice.tasks.run.control import RunControl
+from sluice.tasks.run.paths import filesystem, read_json, run_paths, write_json
+from sluice.tasks.run.status import read_statuses
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.run_helpers import (
+from sluice.flows.run_helpers import (
     ROLE_TASK_NAMES,
     claim_new_run,
     new_run_id,
@@ -30,13 +30,14 @@ from flows.run_helpers import (
     watch_progress,
     write_resolved_config,
 )
-from infra.config import RunConfig, load_config
-from infra.tracking import log_config, start_or_resume_run
-from tasks.common import ROLES, RunControl, run_paths, run_registry
-from tasks.inference_server import write_start
-from tasks.prepare import prepare_policy
-from tasks.report import publish_summary
-from tasks.server_launch import planned_servers, serve_inference
+from sluice.infra.config import RunConfig, load_config
+from sluice.infra.tracking import log_config, start_or_resume_run
+from sluice.tasks.process.inference_server import write_start
+from sluice.tasks.process.servers import planned_servers, serve_inference
+from sluice.tasks.run.control import RunControl
+from sluice.tasks.run.paths import ROLES, run_paths, run_registry
+from sluice.tasks.run.prepare import prepare_policy
+from sluice.tasks.run.report import publish_summary
 
 
 class ResumeError(RuntimeError):

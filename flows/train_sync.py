@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.run_helpers import (
+from sluice.flows.run_helpers import (
     ROLE_TASK_NAMES,
     claim_new_run,
     new_run_id,
@@ -23,10 +23,10 @@ from flows.run_helpers import (
     watch_progress,
     write_resolved_config,
 )
-from infra.config import RunConfig, load_config
-from infra.tracking import log_config, start_or_resume_run
-from tasks.prepare import prepare_policy
-from tasks.report import publish_summary
+from sluice.infra.config import RunConfig, load_config
+from sluice.infra.tracking import log_config, start_or_resume_run
+from sluice.tasks.run.prepare import prepare_policy
+from sluice.tasks.run.report import publish_summary
 
 
 @flow(name="sluice-train-sync", log_prints=True)

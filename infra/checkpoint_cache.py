@@ -1,6 +1,6 @@
 """The local fetch cache of checkpoints: one verified copy per manifest digest.
 
-`fetch_checkpoint` brings a committed checkpoint (``infra.checkpoints``) onto local disk
+`fetch_checkpoint` brings a committed checkpoint (``sluice.infra.checkpoints``) onto local disk
 for a process to load. A remote checkpoint is downloaded into
 ``{cache_dir}/{manifest digest[:24]}``, every sha256 checked while streaming, and
 renamed into place, so a worker that sees the same weights twice (the same version, or
@@ -44,7 +44,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from infra.checkpoints import (
+from sluice.infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
@@ -56,7 +56,7 @@ from infra.checkpoints import (
     storage_errors,
     verify_checkpoint,
 )
-from infra.storage import is_local, replace_directory, staging_directory, url_of
+from sluice.infra.storage import is_local, replace_directory, staging_directory, url_of
 
 # A copy pruned by another process between its download and our lock is fetched again;
 # losing that race this many times in a row means something keeps deleting the cache.

@@ -11,7 +11,7 @@ missing or whose files do not match it, and rollout workers never load a half-wr
 Departures from a plain ``save_pretrained``:
 
 - On local disk the whole directory is written into a hidden sibling and renamed into
-  place (``infra.storage.staging_directory``), so a crash leaves either nothing or a
+  place (``sluice.infra.storage.staging_directory``), so a crash leaves either nothing or a
   complete checkpoint at the final path. Object stores have no directory rename; there
   every file goes up all or nothing and the manifest-last rule marks completeness.
 - Checkpoints are immutable: saving different content to a URL that already holds a
@@ -19,7 +19,7 @@ Departures from a plain ``save_pretrained``:
   trainer that crashed after uploading can simply retry).
 
 Reading a checkpoint back onto local disk, through a digest-keyed cache, is
-``infra.checkpoint_cache.fetch_checkpoint``.
+``sluice.infra.checkpoint_cache.fetch_checkpoint``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import IO, Any, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from infra.failpoints import failpoint
-from infra.storage import (
+from sluice.infra.failpoints import failpoint
+from sluice.infra.storage import (
     TEMP_PREFIX,
     is_local,
     open_filesystem,
@@ -52,7 +52,7 @@ MANIFEST_FORMAT = "sluice-checkpoint"
 MANIFEST_FORMAT_VERSION = 1
 # 8 MiB reads keep hashing at disk speed without holding a whole shard in memory.
 _CHUNK_BYTES = 8 * 1024 * 1024
-# Temp files of infra.storage, and those older Sluice versions named after the manifest.
+# Temp files of sluice.infra.storage, and those older Sluice versions named after the manifest.
 _TEMP_PREFIXES = (TEMP_PREFIX, f".{MANIFEST_NAME}.tmp-")
 
 

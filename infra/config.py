@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engines.inference.types import PauseMode
-from infra.config_overrides import (
+from sluice.engines.inference.types import PauseMode
+from sluice.infra.config_overrides import (
     ConfigError,
     apply_override,
     format_validation_error,
@@ -119,7 +119,7 @@ class RolloutConfig(_Section):
 
 
 class EpisodeConfig(_Section):
-    """Multi-turn episodes: the policy calls tools between turns (engines/episodes.py). Off while `tools` is empty: one response per sample."""
+    """Multi-turn episodes: the policy calls tools between turns (engines/env/episodes.py). Off while `tools` is empty: one response per sample."""
 
     tools: list[str] = []
     """Tools the policy may call: `calculator` (bounded arithmetic), `python` (the call runs as a program in the reward sandbox; its output is what it printed), or a user tool `module:function` taking the call's text and returning its output (imported in a worker process, run with `tool_timeout_s`). With several tools a call reads `name: input`. Empty: single-turn rollouts."""
@@ -149,7 +149,7 @@ class ServersConfig(_Section):
     count: int = Field(1, ge=1, le=64)
     """Server containers; the rollout role spreads groups over them, least-loaded first."""
     engine: Literal["sluice", "sglang"] = "sluice"
-    """`sluice`: Sluice's own server (`python -m infra.serving.server`, CPU or CUDA) from `image`. `sglang`: SGLang's `launch_server` from an SGLang image, with `gpus_per_server` GPUs each (its tensor-parallel size)."""
+    """`sluice`: Sluice's own server (`python -m sluice.infra.serving.server`, CPU or CUDA) from `image`. `sglang`: SGLang's `launch_server` from an SGLang image, with `gpus_per_server` GPUs each (its tensor-parallel size)."""
     image: str | None = None
     """Image of the server containers; None = `sluice:local` for the sluice engine (`bash infra/docker/image.sh` builds it). The sglang engine needs one named (e.g. SGLang's release image for your CUDA)."""
     gpus_per_server: int = Field(0, ge=0, le=64)

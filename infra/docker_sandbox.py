@@ -4,7 +4,7 @@ Each run of model-written code gets a fresh container from the pinned base image
 (``infra/docker/engine.sh`` builds it): no network, a read-only root with a small
 tmpfs work directory, memory without swap, a CPU quota, a pids limit, every capability
 dropped, no privilege escalation, the ``nobody`` user. Inside, the process sandbox's own
-runner (``engines.sandbox``) runs as before, so its Python-level guards stay as an inner
+runner (``sluice.engines.env.sandbox``) runs as before, so its Python-level guards stay as an inner
 layer; the container is what holds when code steps around them (ctypes, or a kernel
 limit that only binds a non-root user such as ``RLIMIT_NPROC``).
 
@@ -31,8 +31,14 @@ import threading
 import time
 from typing import Any
 
-from engines.sandbox import RUNNER_ENV, SandboxResult, classify, make_payload, runner_source
-from infra.lease import pid_alive
+from sluice.engines.env.sandbox import (
+    RUNNER_ENV,
+    SandboxResult,
+    classify,
+    make_payload,
+    runner_source,
+)
+from sluice.infra.lease import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +273,7 @@ class DockerSandbox:
         *,
         stdin: str = "",
     ) -> SandboxResult:
-        """As ``engines.sandbox.run_python``, in a container of the pool."""
+        """As ``sluice.engines.env.sandbox.run_python``, in a container of the pool."""
         payload = make_payload(code, tests, timeout_s, memory_mb, stdin)
         request = json.dumps(
             {

@@ -12,7 +12,7 @@ mounts the workdir read-only at the same absolute path and the paths the rollout
 sends mean the same thing inside.
 
 Two engines:
-- ``sluice``: Sluice's own server (``python -m infra.serving.server``), on CPU from
+- ``sluice``: Sluice's own server (``python -m sluice.infra.serving.server``), on CPU from
   ``sluice:local`` (``infra/docker/image.sh``) or on GPUs from a CUDA build of the image;
 - ``sglang``: SGLang's ``launch_server`` from an SGLang image, each server with its own
   GPUs (device requests) and tensor parallelism over them.
@@ -80,7 +80,7 @@ class ServerSpec:
             ]  # fmt: skip
         else:
             argv = [
-                "python", "-m", "infra.serving.server",
+                "python", "-m", "sluice.infra.serving.server",
                 "--model", self.model_dir,
                 "--host", "127.0.0.1",
                 "--port", str(self.port),

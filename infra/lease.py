@@ -1,7 +1,7 @@
 """A time-limited claim on one object in storage: one trainer per run.
 
 The lease is a small JSON document (``owner``, ``host``, ``pid``, ``expires_at``) put
-atomically through ``infra.storage``. Whoever holds it renews it from a background
+atomically through ``sluice.infra.storage``. Whoever holds it renews it from a background
 thread every ``ttl_s / 3``; a holder that dies stops renewing, and its lease expires.
 
 Acquiring, a claimant takes the lease when there is none, when it has expired, or when
@@ -33,7 +33,7 @@ from typing import Any
 
 import fsspec
 
-from infra.storage import exists, put_atomic
+from sluice.infra.storage import exists, put_atomic
 
 log = logging.getLogger(__name__)
 

@@ -128,7 +128,7 @@ def probe_storage(
     store that is up but slow) and gives the request the whole `timeout_s`. An answer
     such as "no such key" counts as answering.
     """
-    from infra.storage import open_filesystem
+    from sluice.infra.storage import open_filesystem
 
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):

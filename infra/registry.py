@@ -1,7 +1,7 @@
 """The checkpoint registry: committed policy versions as MLflow model versions.
 
 The trainer publishes policy version k by (1) saving the weights as a checkpoint
-(``infra.checkpoints.save_checkpoint``, manifest last) and (2) calling
+(``sluice.infra.checkpoints.save_checkpoint``, manifest last) and (2) calling
 ``CheckpointRegistry.commit``, which verifies the manifest, creates an MLflow model version
 whose source is the checkpoint URI, and moves an alias onto it. The rollout side polls
 ``latest()`` (one indexed alias lookup) and reloads weights when the policy version grows;
@@ -41,9 +41,9 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, ConfigDict
 
-from infra.checkpoints import canonical_url, verify_checkpoint
-from infra.failpoints import failpoint
-from infra.tracking import get_client
+from sluice.infra.checkpoints import canonical_url, verify_checkpoint
+from sluice.infra.failpoints import failpoint
+from sluice.infra.tracking import get_client
 
 TAG_POLICY_VERSION = "sluice.policy_version"
 TAG_TRAINER_STEP = "sluice.trainer_step"

@@ -27,21 +27,21 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.episodes import Episode, run_on_engine
-from engines.evaluation import heldout_metrics
-from engines.inference.engine import InferenceEngine
-from engines.inference.types import GenerationRequest, SamplingParams
-from engines.model import resolve_device
-from engines.verifiers import load_verifier
-from infra.checkpoint_cache import fetch_checkpoint
-from infra.checkpoints import CheckpointIncomplete
-from infra.config import RunConfig
-from infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
-from infra.tracking import log_metrics
-from tasks.common import run_registry
-from tasks.problem import PromptSource, load_policy_tokenizer
-from tasks.role import Role
-from tasks.tools import ToolBox, episode_spec
+from sluice.engines.env.episodes import Episode, run_on_engine
+from sluice.engines.env.verifiers import load_verifier
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.evaluation import heldout_metrics
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.checkpoints import CheckpointIncomplete
+from sluice.infra.config import RunConfig
+from sluice.infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
+from sluice.infra.tracking import log_metrics
+from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
+from sluice.tasks.role import Role
+from sluice.tasks.run.paths import run_registry
+from sluice.tasks.tool_runner import ToolBox, episode_spec
 
 log = logging.getLogger("sluice.evaluate")
 

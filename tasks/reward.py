@@ -20,15 +20,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engines.samples import score_table
-from engines.verifiers import load_verifier
-from infra.checkpoint_cache import fetch_checkpoint
-from infra.checkpoints import CheckpointIncomplete
-from infra.config import RunConfig
-from infra.streams.names import ShardRef
-from tasks.common import ROLLOUTS, SCORED
-from tasks.problem import load_policy_tokenizer
-from tasks.role import Role
+from sluice.engines.env.verifiers import load_verifier
+from sluice.engines.rl.samples import score_table
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.checkpoints import CheckpointIncomplete
+from sluice.infra.config import RunConfig
+from sluice.infra.streams.names import ShardRef
+from sluice.tasks.prompts import load_policy_tokenizer
+from sluice.tasks.role import Role
+from sluice.tasks.run.paths import ROLLOUTS, SCORED
 
 log = logging.getLogger("sluice.reward")
 
@@ -154,7 +154,7 @@ def code_sandbox(config: RunConfig) -> Any:
     reward = config.reward
     if reward.verifier != "code" or reward.sandbox == "process":
         return None
-    from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
 
     try:
         return DockerSandbox(reward.sandbox_image, pool_size=reward.sandbox_pool)

@@ -17,19 +17,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.checkpoints import CheckpointIncomplete
-from infra.config import RunConfig
-from infra.outages import EXIT_OUTAGE, describe, outage_cause
-from infra.streams.errors import CorruptShardError
-from infra.streams.names import ShardRef
-from infra.streams.reader import StreamReader
-from infra.streams.writer import StreamWriter
-from tasks.common import RunControl, StatusReporter, role_threads, run_paths, run_registry
+from sluice.infra.checkpoints import CheckpointIncomplete
+from sluice.infra.config import RunConfig
+from sluice.infra.outages import EXIT_OUTAGE, describe, outage_cause
+from sluice.infra.streams.errors import CorruptShardError
+from sluice.infra.streams.names import ShardRef
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.streams.writer import StreamWriter
+from sluice.tasks.run.control import RunControl
+from sluice.tasks.run.paths import run_paths, run_registry
+from sluice.tasks.run.status import StatusReporter
+from sluice.tasks.run.threads import role_threads
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from infra.registry import CommittedVersion
+    from sluice.infra.registry import CommittedVersion
 
 log = logging.getLogger("sluice")
 

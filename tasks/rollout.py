@@ -26,27 +26,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.episodes import EpisodeSpec, Generate, run_group
-from engines.groups import group_index_of, group_key, reissue_plan, resume_gate
-from engines.inference.profile import StepProfile
-from engines.samples import episode_columns, group_rows, version_span
-from engines.staleness import StalenessGate
-from infra.checkpoint_cache import fetch_checkpoint
-from infra.config import RunConfig
-from infra.registry import CommittedVersion
-from infra.serving import protocol
-from infra.serving.client import (
+from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
+from sluice.engines.inference.profile import StepProfile
+from sluice.engines.rl.groups import group_index_of, group_key, reissue_plan, resume_gate
+from sluice.engines.rl.samples import episode_columns, group_rows, version_span
+from sluice.engines.rl.staleness import StalenessGate
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.config import RunConfig
+from sluice.infra.registry import CommittedVersion
+from sluice.infra.serving import protocol
+from sluice.infra.serving.client import (
     InferenceClient,
     InferenceServerError,
     InferenceServerUnreachableError,
 )
-from infra.streams.reader import StreamReader
-from infra.streams.schema import table_from_rows
-from tasks.common import ROLLOUTS
-from tasks.inference_server import EmbeddedServer, launched_server_urls
-from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
-from tasks.role import Role
-from tasks.tools import Shaping, ToolBox, episode_spec
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.streams.schema import table_from_rows
+from sluice.tasks.process.inference_server import EmbeddedServer, launched_server_urls
+from sluice.tasks.prompts import PromptSource, load_policy_tokenizer, policy_context
+from sluice.tasks.role import Role
+from sluice.tasks.run.paths import ROLLOUTS
+from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
 
@@ -77,7 +77,7 @@ class RolloutStats:
     tool_timeouts: int = 0
     observation_tokens: int = 0
     engine_profile: dict[str, Any] | None = None
-    """The servers' measured step costs, summed (engines.inference.profile)."""
+    """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
 
     def record_group(self, rows: list[dict[str, Any]]) -> None:
         """Count one group written to the stream (`rows`: its samples)."""
@@ -135,7 +135,7 @@ def committed_group_indices(reader: StreamReader) -> set[int]:
 
 class RolloutRole(Role):
     """State of one rollout role process; `server` is an embedded server already starting
-    (`tasks.inference_server.start_early`), stopped if the role fails to start."""
+    (`sluice.tasks.process.inference_server.start_early`), stopped if the role fails to start."""
 
     name = "rollout"
 

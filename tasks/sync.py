@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.types import GenerationRequest, SamplingParams
-from engines.model import resolve_device
-from engines.samples import batch_table, samples_from_table, staleness_stats
-from engines.verifiers import load_verifier
-from infra.checkpoint_cache import fetch_checkpoint
-from infra.config import RunConfig
-from infra.tracking import log_metrics
-from tasks.common import Background
-from tasks.problem import PromptSource, load_policy_tokenizer, policy_context
-from tasks.training import TrainingRole, advantage_fn, build_trainer
+from sluice.engines.env.verifiers import load_verifier
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.samples import batch_table, samples_from_table, staleness_stats
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.config import RunConfig
+from sluice.infra.tracking import log_metrics
+from sluice.tasks.prompts import PromptSource, load_policy_tokenizer, policy_context
+from sluice.tasks.run.threads import Background
+from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 SAMPLED_LENGTHS = 4096
 """How many of the newest (prompt, response) lengths the status keeps: the planner's workload."""

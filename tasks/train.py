@@ -2,7 +2,7 @@
 
 Per step k: train the B prompt groups the rollout role issued as numbers kB..kB+B-1
 (read from the scored stream in whatever order they finished), compute group
-advantages, recompute π_prox and run the decoupled PPO step (engines.trainer). Every
+advantages, recompute π_prox and run the decoupled PPO step (sluice.engines.rl.trainer). Every
 `publish_every` steps the weights are saved as a checkpoint, committed to the
 registry as the next policy version (only once durable), and then the shards that
 went into it are acknowledged with that version in the ledger meta.
@@ -32,18 +32,20 @@ from typing import Any
 
 import pyarrow as pa
 
-from engines.groups import GroupBuffer, group_key
-from engines.samples import samples_from_table, staleness_stats
-from engines.trainer import PolicyTrainer, TrainingSample
-from infra.checkpoint_cache import fetch_checkpoint
-from infra.config import RunConfig
-from infra.registry import CommittedVersion
-from infra.streams.names import ShardRef, shard_key_tag
-from infra.streams.reader import StreamReader
-from infra.tracking import log_metrics
-from tasks.common import ROLLOUTS, SCORED, Background, read_json, read_statuses
-from tasks.role import StopRequested
-from tasks.training import TrainingRole, advantage_fn, build_trainer
+from sluice.engines.rl.groups import GroupBuffer, group_key
+from sluice.engines.rl.samples import samples_from_table, staleness_stats
+from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.config import RunConfig
+from sluice.infra.registry import CommittedVersion
+from sluice.infra.streams.names import ShardRef, shard_key_tag
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.tracking import log_metrics
+from sluice.tasks.role import StopRequested
+from sluice.tasks.run.paths import ROLLOUTS, SCORED, read_json
+from sluice.tasks.run.status import read_statuses
+from sluice.tasks.run.threads import Background
+from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 log = logging.getLogger("sluice.train")
 CONSUMED_FILE = "consumed_shards.json"

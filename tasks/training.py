@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.advantages import AdvantageFn, make_advantage_fn
-from engines.trainer import PolicyTrainer
-from infra.checkpoints import save_checkpoint
-from infra.config import RunConfig
-from infra.lease import StorageLease
-from infra.registry import CommittedVersion
-from tasks.common import filesystem
-from tasks.role import Role
-from tasks.trainer_ranks import build_rank_trainer, join, start_following_ranks
+from sluice.engines.rl.advantages import AdvantageFn, make_advantage_fn
+from sluice.engines.rl.trainer import PolicyTrainer
+from sluice.infra.checkpoints import save_checkpoint
+from sluice.infra.config import RunConfig
+from sluice.infra.lease import StorageLease
+from sluice.infra.registry import CommittedVersion
+from sluice.tasks.process.trainer_ranks import build_rank_trainer, join, start_following_ranks
+from sluice.tasks.role import Role
+from sluice.tasks.run.paths import filesystem
 
 
 def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
@@ -35,8 +35,8 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
         return build_rank_trainer(config, model_dir)
     from transformers import AutoConfig
 
-    from engines.megatron import convert
-    from engines.megatron.lockstep import LockstepTrainer
+    from sluice.engines.megatron import convert
+    from sluice.engines.megatron.lockstep import LockstepTrainer
 
     # Refuse a policy the ranks cannot split before starting any of them.
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)

@@ -5,7 +5,7 @@ Environment: no telemetry, quiet libraries, a patient ephemeral Prefect API.
 Fixtures (heavy imports stay inside them, so collecting a pure test imports nothing big):
 
 - models: ``tiny_policy`` builds a policy directory (random tiny causal LM and character
-  tokenizer, ``engines.model.build_tiny_policy``) and ``random_model_dir`` a bare random
+  tokenizer, ``sluice.engines.policy.model.build_tiny_policy``) and ``random_model_dir`` a bare random
   Hugging Face model directory (no tokenizer). Both are session-scoped factories that
   build each distinct model once; the directories are shared, so tests treat them as
   read-only (copy one before altering it). ``tiny_dir`` is the smallest policy the
@@ -27,7 +27,7 @@ import pytest
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from infra.config import RunConfig
+    from sluice.infra.config import RunConfig
 
 os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -55,7 +55,7 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
     built: dict[tuple[tuple[str, Any], ...], Path] = {}
 
     def build(**options: Any) -> Path:
-        from engines.model import build_tiny_policy
+        from sluice.engines.policy.model import build_tiny_policy
 
         key = tuple(sorted(options.items()))
         if key not in built:
@@ -178,7 +178,7 @@ def local_run_config() -> Callable[..., RunConfig]:
     file under `root` (``local_run_settings``), then `overrides` ("key=value")."""
 
     def make(root: Path, *overrides: str) -> RunConfig:
-        from infra.config import load_config
+        from sluice.infra.config import load_config
 
         settings = [f"{key}={value}" for key, value in local_run_settings(root).items()]
         return load_config(None, [*settings, *overrides])
@@ -190,7 +190,7 @@ def local_run_config() -> Callable[..., RunConfig]:
 def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A sqlite MLflow store for one test module, its tables already created (that
     costs seconds, so a module shares one store)."""
-    from infra.tracking import get_client
+    from sluice.infra.tracking import get_client
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
     get_client(uri)
@@ -210,7 +210,7 @@ def sluice_image() -> str:
     Skips with the reason where no Docker engine answers."""
     import subprocess
 
-    from infra.docker_servers import ServerLaunchError, docker_client
+    from sluice.infra.docker_servers import ServerLaunchError, docker_client
 
     try:
         docker_client()

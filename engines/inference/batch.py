@@ -9,7 +9,7 @@ Speed on small models (where a step's fixed costs, not its arithmetic, decide):
 
 - a prompt cache keeps each prefilled prompt's K/V and last logits under the
   served weights, so the G samples of a GRPO group prefill their prompt once;
-- Llama-shaped models run through ``engines.inference.decoder`` (fused
+- Llama-shaped models run through ``sluice.engines.inference.decoder`` (fused
   projections, one rotary table) instead of the Hugging Face module tree;
 - prefill packs whole sequences without padding, in chunks of
   ``max_prefill_tokens`` sized to stay in a CPU's cache; after a weight update
@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from engines.inference.decoder import FastDecoder
-from engines.inference.decoder import supports as supports_fast
-from engines.inference.kv_cache import SlotKVCache
-from engines.inference.prompt_cache import PromptCache, PromptEntry
-from engines.inference.sampling import sample_tokens
-from engines.inference.types import FinishReason, GenerationOutput, SamplingParams
+from sluice.engines.inference.decoder import FastDecoder
+from sluice.engines.inference.decoder import supports as supports_fast
+from sluice.engines.inference.kv_cache import SlotKVCache
+from sluice.engines.inference.prompt_cache import PromptCache, PromptEntry
+from sluice.engines.inference.sampling import sample_tokens
+from sluice.engines.inference.types import FinishReason, GenerationOutput, SamplingParams
 
 
 @dataclass(eq=False)  # identity comparison: deque membership/removal must not compare fields

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engines.inference.kv_cache import SlotKVCache
+from sluice.engines.inference.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 

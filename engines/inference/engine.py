@@ -33,16 +33,16 @@ from typing import Any
 
 import torch
 
-from engines.inference.batch import SlotBatch
-from engines.inference.loading import (
+from sluice.engines.inference.batch import SlotBatch
+from sluice.engines.inference.loading import (
     check_attention_is_full,
     eos_token_ids,
     load_causal_lm,
     resolve_dtype,
 )
-from engines.inference.scheduler import Scheduler
-from engines.inference.types import WeightUpdateReport
-from engines.inference.weights import (
+from sluice.engines.inference.scheduler import Scheduler
+from sluice.engines.inference.types import WeightUpdateReport
+from sluice.engines.inference.weights import (
     check_model_type,
     match_state_dict,
     perturb_weights,
@@ -100,7 +100,7 @@ class InferenceEngine(Scheduler):
                 ``prompt_cache.PromptCache``); default ``max_batch_size``, 0 turns the
                 cache off. Whatever the count, the cache holds at most a quarter of the
                 KV cache's bytes.
-            fast_forward: run Llama-shaped models through ``engines.inference.decoder``
+            fast_forward: run Llama-shaped models through ``sluice.engines.inference.decoder``
                 (same arithmetic, fewer calls); False, or any other model type, runs
                 the Hugging Face decoder.
         """

@@ -1,6 +1,6 @@
 """What a decode step and a prefill cost on this server, measured while it serves.
 
-The capacity planner (``engines.planner``) models a decode step of b resident
+The capacity planner (``sluice.engines.planner``) models a decode step of b resident
 sequences holding c context tokens as ``a + r*b + d*c`` seconds and a prefill as
 ``p`` seconds per token. ``StepProfile`` keeps the sufficient statistics of a
 least-squares fit of those lines (sums of x xᵀ and x t, x = (1, b, c)), so a run

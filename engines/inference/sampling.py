@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engines.inference.rng import counter_uniforms
-from engines.inference.types import SamplingParams
+from sluice.engines.inference.rng import counter_uniforms
+from sluice.engines.inference.types import SamplingParams
 
 
 def sample_tokens(

@@ -4,7 +4,7 @@
 public method takes effect between two scheduler steps, from any thread: a caller
 takes the lock ahead of the scheduler loop (``_control``), so a pause, abort or
 weight update never waits behind a long run of steps. ``InferenceEngine``
-(``engines.inference.engine``) is a scheduler over a loaded model that adds weight
+(``sluice.engines.inference.engine``) is a scheduler over a loaded model that adds weight
 updates.
 """
 
@@ -20,9 +20,9 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from engines.inference.batch import Finished, RequestState, SlotBatch
-from engines.inference.profile import StepProfile
-from engines.inference.types import (
+from sluice.engines.inference.batch import Finished, RequestState, SlotBatch
+from sluice.engines.inference.profile import StepProfile
+from sluice.engines.inference.types import (
     EngineShutdownError,
     FinishReason,
     GenerationOutput,

@@ -6,7 +6,7 @@ Plain dataclasses and enums with no torch import, so the HTTP server and client
 Two result types exist on purpose and differ by where the response was produced:
 ``GenerationOutput`` here is what the engine returns in process (with its
 scheduling record: admitted/finished step, latency, stop token);
-``infra.serving.protocol.GenerateResponse`` is a ``/generate`` answer decoded by the
+``sluice.infra.serving.protocol.GenerateResponse`` is a ``/generate`` answer decoded by the
 client from any SGLang-compatible server (with the server's URL and text, and none
 of the engine's internals).
 """
@@ -37,7 +37,7 @@ class PauseMode(enum.StrEnum):
     """How a pause treats in-flight requests (SGLang ``/pause_generation`` modes).
 
     The one definition of the pause vocabulary: the engine, and through
-    ``infra.serving.protocol`` the HTTP server and client, read it from here.
+    ``sluice.infra.serving.protocol`` the HTTP server and client, read it from here.
     """
 
     ABORT = "abort"

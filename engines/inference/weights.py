@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.inference.rng import U64_MASK
-from engines.inference.types import WeightLoadError
+from sluice.engines.inference.rng import U64_MASK
+from sluice.engines.inference.types import WeightLoadError
 
 
 def read_weight_files(model_path: str | Path) -> dict[str, torch.Tensor]:

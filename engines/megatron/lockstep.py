@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engines.trainer import PolicyTrainer, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
 
 
 class LockstepTrainer:

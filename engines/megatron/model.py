@@ -4,7 +4,7 @@ The model runs Sluice's packed micro-batches as they are (sequences concatenated
 without padding, positions restarting per sequence): they enter as Megatron's THD
 layout with ``PackedSeqParams``, RoPE restarts at each sequence boundary, and core
 attention is ``PackedDotProductAttention``, which runs the same per-sequence causal
-attention as the torch backend (``engines.batching.packed_causal_attention``).
+attention as the torch backend (``sluice.engines.rl.batching.packed_causal_attention``).
 Megatron's own local attention refuses packed input and its packed kernels need
 Transformer Engine on a GPU.
 
@@ -28,9 +28,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import AutoConfig
 
-from engines.batching import PackedBatch, packed_causal_attention
-from engines.inference.weights import read_weight_files
-from engines.megatron import convert, cpu_shim
+from sluice.engines.inference.weights import read_weight_files
+from sluice.engines.megatron import convert, cpu_shim
+from sluice.engines.rl.batching import PackedBatch, packed_causal_attention
 
 
 class PackedDotProductAttention(DotProductAttention):

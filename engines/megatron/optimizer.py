@@ -3,7 +3,7 @@
 ``MegatronPolicyOptimizer.step`` runs one optimizer step over a minibatch's packed
 micro-batches through ``get_forward_backward_func`` (the schedule that also drives
 pipeline parallelism), with any Sluice loss that follows the
-``engines.loss.PolicyLossFn`` contract.
+``sluice.engines.rl.loss.PolicyLossFn`` contract.
 
 How the loss denominator maps: Sluice divides every micro-batch's token sum by the
 minibatch's valid-token count, so gradient accumulation equals the whole-minibatch
@@ -18,7 +18,7 @@ Mixed precision: with a bf16 model, Megatron's optimizer keeps fp32 main weights
 Adam state and copies the updated weights back to the model in bf16. The distributed
 optimizer (``use_distributed_optimizer``, ZeRO-1) shards those fp32 weights and Adam
 state across data-parallel replicas; ``save`` and ``load`` gather and scatter them.
-Both run on a CPU under gloo as on a GPU (see ``engines.megatron.cpu_shim``).
+Both run on a CPU under gloo as on a GPU (see ``sluice.engines.megatron.cpu_shim``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from engines.batching import PackedBatch
-from engines.megatron import cpu_shim
-from engines.megatron.model import packed_logits
+from sluice.engines.megatron import cpu_shim
+from sluice.engines.megatron.model import packed_logits
+from sluice.engines.rl.batching import PackedBatch
 
 MicroBatchLoss = Callable[[int, torch.Tensor], tuple[torch.Tensor, int, dict[str, torch.Tensor]]]
 """``(micro-batch index, logits [T, vocab]) -> (token-sum loss, tokens counted, metrics)``."""

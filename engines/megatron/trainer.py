@@ -1,15 +1,15 @@
 """The policy trainer on Megatron-core: ``trainer.backend: megatron``.
 
-Everything algorithmic is ``engines.trainer.PolicyTrainer``'s: the π_prox pass, rollout
+Everything algorithmic is ``sluice.engines.rl.trainer.PolicyTrainer``'s: the π_prox pass, rollout
 correction, PPO minibatches, dynamic micro-batching and the loss function. This class
 replaces only what touches the model: the forward pass (a Megatron ``GPTModel`` over
 the packed micro-batch), the optimizer step (Megatron's DDP, Adam, gradient clipping
-and ``get_forward_backward_func``, see ``engines.megatron.optimizer``) and saving, which
+and ``get_forward_backward_func``, see ``sluice.engines.megatron.optimizer``) and saving, which
 writes the Hugging Face directory that the inference engine and SGLang load.
 
 Parallel sizes: a world of ``tensor_parallel × pipeline_parallel × data_parallel``
 processes runs one of these per rank, every rank making the same calls with the same
-samples (see ``engines.megatron.lockstep``). Under pipeline parallelism only the last
+samples (see ``sluice.engines.megatron.lockstep``). Under pipeline parallelism only the last
 stage sees logits: log-probs and loss metrics computed there are broadcast to the
 other stages. Data-parallel replicas take every k-th micro-batch of a minibatch (and
 of the π_prox pass) and Megatron sums their gradients and token counts, so the update
@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from engines.batching import PackedBatch
-from engines.loss import PolicyLossFn
-from engines.megatron import convert
-from engines.megatron.model import initialize_parallel, load_hf_policy, packed_logits
-from engines.megatron.optimizer import MegatronPolicyOptimizer
-from engines.rollout_correction import RolloutCorrectionFn
-from engines.trainer import (
+from sluice.engines.megatron import convert
+from sluice.engines.megatron.model import initialize_parallel, load_hf_policy, packed_logits
+from sluice.engines.megatron.optimizer import MegatronPolicyOptimizer
+from sluice.engines.rl.batching import PackedBatch
+from sluice.engines.rl.loss import PolicyLossFn
+from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
+from sluice.engines.rl.trainer import (
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
     MicroBatchLossFn,

@@ -1,10 +1,10 @@
 """Fit the planner's cost model to what a run measured (pure compute).
 
-A run leaves (``tasks/measurements.py`` collects them into :class:`RunMeasurements`):
+A run leaves (``flows/planner/measurements.py`` collects them into :class:`RunMeasurements`):
 
 - the inference engine's **step profile**: least-squares sums of every decode step's
   time against (1, rows, context tokens) and the prefill tokens and seconds
-  (``engines.inference.profile``);
+  (``sluice.engines.inference.profile``);
 - the trainer's **per-step timings**: compute seconds, trained tokens, micro-batches;
 - **wall clock and idle ratios** of the roles, weight-update pauses, commit times;
 - the **lengths** of the prompts and responses it sampled.
@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from engines.inference.profile import StepProfile
-from engines.planner.costs import CostModel, Layout, Workload
+from sluice.engines.inference.profile import StepProfile
+from sluice.engines.planner.costs import CostModel, Layout, Workload
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""What the pipeline simulator (:mod:`engines.planner.simulate`) takes: costs, workload, layout.
+"""What the pipeline simulator (:mod:`sluice.engines.planner.simulate`) takes: costs, workload, layout.
 
 Three frozen dataclasses, built by hand in tests and from a run's measurements by the
-calibration (``engines.planner.calibrate``):
+calibration (``sluice.engines.planner.calibrate``):
 
 - :class:`CostModel`: seconds per unit of work on one device (decode, prefill, train,
   weight update, publish, reward) and how they scale with devices;
@@ -166,7 +166,7 @@ class Layout:
     slots_per_server: int = 256
     """Most sequences one server decodes at once (continuous batching)."""
     max_tokens_per_micro_batch: int = 32768
-    """Tokens: budget of one training micro-batch (engines.batching.dynamic_micro_batches)."""
+    """Tokens: budget of one training micro-batch (sluice.engines.rl.batching.dynamic_micro_batches)."""
     batch_order: str = "issue"
     """Async batch membership: "issue" = train batch k is groups kB .. kB+B-1 (Sluice);
     "finish" = the next B groups to finish (AReaL)."""

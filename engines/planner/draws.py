@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engines.planner.costs import Workload
+from sluice.engines.planner.costs import Workload
 
 
 def draw_block(

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from engines.planner.costs import CostModel
+from sluice.engines.planner.costs import CostModel
 
 
 @dataclass(frozen=True)

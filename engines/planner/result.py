@@ -1,4 +1,4 @@
-"""What :func:`engines.planner.simulate.simulate` reports about one simulated run."""
+"""What :func:`sluice.engines.planner.simulate.simulate` reports about one simulated run."""
 
 from __future__ import annotations
 

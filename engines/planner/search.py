@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from engines.planner.costs import CostModel, Layout, Workload
-from engines.planner.simulate import SimResult, simulate
+from sluice.engines.planner.costs import CostModel, Layout, Workload
+from sluice.engines.planner.simulate import SimResult, simulate
 
 
 @dataclass(frozen=True)

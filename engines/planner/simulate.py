@@ -2,9 +2,9 @@
 
 ``simulate(workload, costs, layout)`` plays a run forward (warm-up steps, then measured
 steps) and reports throughput, idle shares, staleness and weight-update costs. It is
-pure compute (numpy for the draws, :func:`engines.batching.dynamic_micro_batches` for
+pure compute (numpy for the draws, :func:`sluice.engines.rl.batching.dynamic_micro_batches` for
 the micro-batch count) and fast enough to call thousands of times in a sweep: decode
-time between two events is closed form (:mod:`engines.planner.server`), never a loop
+time between two events is closed form (:mod:`sluice.engines.planner.server`), never a loop
 over steps.
 
 Semantics
@@ -61,7 +61,7 @@ Semantics
   servers symmetrically, so a slice sees the same load per server as the whole fleet.
   ``batch_scale`` reports the rounding (the batch simulated stands for B * batch_scale
   groups). The slice's groups are a systematic sample of a whole drawn batch that keeps
-  its longest group (:mod:`engines.planner.draws`), so a batch that waits for its
+  its longest group (:mod:`sluice.engines.planner.draws`), so a batch that waits for its
   longest response waits as long as the fleet's would. What slicing cannot keep is the
   maximum over more servers: when a batch waits for its slowest server (sync, eta = 0)
   a slice runs a few percent faster than the fleet (3-4% for B=512, G=16 on 96 servers
@@ -77,11 +77,10 @@ import warnings
 
 import numpy as np
 
-from engines.batching import OverlongSequenceWarning, dynamic_micro_batches
-from engines.planner.costs import CostModel, Layout, Workload
-from engines.planner.draws import draw_block
-from engines.planner.result import SimResult
-from engines.planner.server import (
+from sluice.engines.planner.costs import CostModel, Layout, Workload
+from sluice.engines.planner.draws import draw_block
+from sluice.engines.planner.result import SimResult
+from sluice.engines.planner.server import (
     IDLE,
     PAUSE,
     RUN,
@@ -90,6 +89,7 @@ from engines.planner.server import (
     Server,
     StepCosts,
 )
+from sluice.engines.rl.batching import OverlongSequenceWarning, dynamic_micro_batches
 
 __all__ = ["SimResult", "simulate"]
 

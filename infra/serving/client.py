@@ -1,11 +1,11 @@
 """Async client for SGLang-compatible inference servers.
 
 The rollout side talks to inference servers only through this client: Sluice's
-own ``infra.serving.server`` on a laptop, real SGLang servers at scale. It
+own ``sluice.infra.serving.server`` on a laptop, real SGLang servers at scale. It
 therefore sends only fields SGLang 0.5.x defines (``input_ids``,
 ``sampling_params``, ``return_logprob``, ``rid``; ``mode``; ``model_path``,
 ``weight_version``, ``abort_all_requests``) and reads only fields SGLang returns;
-``infra.serving.protocol`` states both.
+``sluice.infra.serving.protocol`` states both.
 
 Per-token policy versions come from ``meta_info.weight_versions`` (half-open
 ``[start, end)`` spans over output tokens). SGLang labels versions with
@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from infra.serving import protocol
-from infra.serving.protocol import GenerateResponse, PauseMode
+from sluice.infra.serving import protocol
+from sluice.infra.serving.protocol import GenerateResponse, PauseMode
 
 
 class InferenceServerError(RuntimeError):

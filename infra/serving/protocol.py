@@ -1,8 +1,8 @@
 """The wire schema Sluice's inference server and client share: SGLang's native HTTP API.
 
 The reinforcement-learning subset of SGLang 0.5.x, with its field names, so the
-rollout side drives Sluice's own server (``infra.serving.server``) and a real SGLang
-server with one client (``infra.serving.client``). This module states once what
+rollout side drives Sluice's own server (``sluice.infra.serving.server``) and a real SGLang
+server with one client (``sluice.infra.serving.client``). This module states once what
 both sides speak: the routes, the request bodies, the pause modes, how a
 ``/generate`` answer encodes tokens, logprobs, finish reasons and policy versions,
 and how errors are shaped. The server encodes with these functions and the client
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict, get_args
 
-from engines.inference.types import FinishReason, GenerationOutput, PauseMode
+from sluice.engines.inference.types import FinishReason, GenerationOutput, PauseMode
 
 # ------------------------------------------------------------------ routes
 

@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engines.inference.types import GenerationRequest, SamplingParams
-from infra.serving.protocol import (
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.infra.serving.protocol import (
     SGLANG_SAMPLING_KEYS,
     contract_error_body,
     error_body,

@@ -1,7 +1,7 @@
 """SGLang-compatible HTTP server around the Sluice inference engine.
 
-Serves ``engines.inference`` over the routes and bodies of
-``infra.serving.protocol`` (SGLang 0.5.x native API), so the rollout side drives
+Serves ``sluice.engines.inference`` over the routes and bodies of
+``sluice.infra.serving.protocol`` (SGLang 0.5.x native API), so the rollout side drives
 this server and a real SGLang server with the same client. Request validation
 lives in ``request_parsing``.
 
@@ -13,7 +13,7 @@ constrained decoding (asking for them is a 400, not a silent no-op); with
 An unknown sampling key is a 400 whose body, like SGLang's contract check,
 is ``{"error": "unknown field `key`, expected one of ..."}``.
 
-Run: ``python -m infra.serving.server --model DIR --port N``.
+Run: ``python -m sluice.infra.serving.server --model DIR --port N``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.inference.types import EngineShutdownError, PauseMode, WeightLoadError
-from infra.serving import protocol
-from infra.serving.request_parsing import (
+from sluice.engines.inference.types import EngineShutdownError, PauseMode, WeightLoadError
+from sluice.infra.serving import protocol
+from sluice.infra.serving.request_parsing import (
     BadRequestError,
     expand_samples,
     parse_generate_body,
@@ -41,7 +41,7 @@ from infra.serving.request_parsing import (
 )
 
 if TYPE_CHECKING:
-    from engines.inference.engine import InferenceEngine
+    from sluice.engines.inference.engine import InferenceEngine
 
 
 @dataclass
@@ -352,7 +352,7 @@ def serve(
     """Load ``model_dir`` and serve it until interrupted."""
     import uvicorn
 
-    from engines.inference.engine import InferenceEngine
+    from sluice.engines.inference.engine import InferenceEngine
 
     engine = InferenceEngine(
         model_dir,
@@ -389,7 +389,7 @@ def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m infra.serving.server",
+        prog="python -m sluice.infra.serving.server",
         description="Serve a Hugging Face causal LM over SGLang's native HTTP API.",
     )
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.exit_with_parent:
         exit_with_parent(os.getppid())
-    from engines.model import resolve_device
+    from sluice.engines.policy.model import resolve_device
 
     device = resolve_device(args.device)
     serve(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infra.streams.names import ShardRef
+    from sluice.infra.streams.names import ShardRef
 
 
 class StreamError(Exception):

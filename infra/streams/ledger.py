@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infra.streams.errors import StreamError, StreamStorageError
-from infra.streams.prefix import StreamPrefix
+from sluice.infra.streams.errors import StreamError, StreamStorageError
+from sluice.infra.streams.prefix import StreamPrefix
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.streams.errors import StreamConfigError
+from sluice.infra.streams.errors import StreamConfigError
 
 SHARD_SUFFIX = ".arrow"
 QUARANTINE_DIR = "_quarantine"

@@ -1,6 +1,6 @@
 """One stream's prefix (``{root}/{run}/{stream}/``) on storage, with errors that name the URL.
 
-A thin adapter over ``infra.storage``: the writer and the reader call it for every storage
+A thin adapter over ``sluice.infra.storage``: the writer and the reader call it for every storage
 operation, and it turns backend failures into ``StreamStorageError`` (retry later) while
 letting ``FileNotFoundError`` through (the reader tells a vanished shard from a broken one).
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from infra import storage
-from infra.streams.errors import StreamConfigError, StreamError, StreamStorageError
-from infra.streams.names import check_name
+from sluice.infra import storage
+from sluice.infra.streams.errors import StreamConfigError, StreamError, StreamStorageError
+from sluice.infra.streams.names import check_name
 
 STALE_TEMP_AGE_S = 3600.0
 """Age after which a temp file in a stream is a dead writer's leftover and is deleted."""

@@ -12,7 +12,7 @@ then deleted outside Sluice before it was read is skipped the same way, with a r
 file in quarantine standing in for it.
 
 A consumer that crashes between ``read`` and ``ack`` is offered the shard again after
-restart; see ``infra.streams.ledger`` for how acks are kept.
+restart; see ``sluice.infra.streams.ledger`` for how acks are kept.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from infra.streams.errors import CorruptShardError, StreamConfigError, StreamStorageError
-from infra.streams.ledger import AckRecord, Ledger
-from infra.streams.names import (
+from sluice.infra.streams.errors import CorruptShardError, StreamConfigError, StreamStorageError
+from sluice.infra.streams.ledger import AckRecord, Ledger
+from sluice.infra.streams.names import (
     LEDGER_DIR,
     QUARANTINE_DIR,
     ShardRef,
@@ -36,8 +36,8 @@ from infra.streams.names import (
     names_of,
     tag_of,
 )
-from infra.streams.prefix import StreamPrefix
-from infra.streams.schema import trajectory_schema, upgrade_table, validate_table
+from sluice.infra.streams.prefix import StreamPrefix
+from sluice.infra.streams.schema import trajectory_schema, upgrade_table, validate_table
 
 logger = logging.getLogger(__name__)
 

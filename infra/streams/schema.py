@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from infra.streams.errors import SchemaError
+from sluice.infra.streams.errors import SchemaError
 
 SCHEMA_VERSION = "2"
 """Version of the trajectory row layout; bump it when a core column is added or changes

@@ -1,6 +1,6 @@
 """``StreamWriter``: commits immutable trajectory shards, each visible all at once or not at all.
 
-Invariant 1 (atomic visibility) is ``infra.storage.put_atomic``: on local disks a shard
+Invariant 1 (atomic visibility) is ``sluice.infra.storage.put_atomic``: on local disks a shard
 is written to a hidden temp file in the stream directory, fsynced and renamed into place;
 on object stores the whole shard goes up as a single PUT. A writer that dies mid-commit
 leaves at most a temp file, which no reader lists and the next writer sweeps.
@@ -20,8 +20,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from infra.streams.errors import StreamConfigError
-from infra.streams.names import (
+from sluice.infra.streams.errors import StreamConfigError
+from sluice.infra.streams.names import (
     ShardRef,
     check_name,
     sequence_tag,
@@ -29,8 +29,8 @@ from infra.streams.names import (
     shard_name,
     tag_of,
 )
-from infra.streams.prefix import StreamPrefix
-from infra.streams.schema import conform_table
+from sluice.infra.streams.prefix import StreamPrefix
+from sluice.infra.streams.schema import conform_table
 
 logger = logging.getLogger(__name__)
 

@@ -60,8 +60,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
 
 VOCAB = 256
 PAD = 0

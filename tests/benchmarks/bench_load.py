@@ -100,7 +100,7 @@ def _writer(
 ) -> None:
     import numpy as np
 
-    from infra.streams.writer import StreamWriter
+    from sluice.infra.streams.writer import StreamWriter
     from tests.benchmarks.bench_streams import make_groups_table
 
     rng = np.random.default_rng(writer)
@@ -115,7 +115,7 @@ def _writer(
 def _consumer(
     root: str, options: dict[str, Any], run: str, name: str, expected: int, queue: Any
 ) -> None:
-    from infra.streams.reader import StreamReader
+    from sluice.infra.streams.reader import StreamReader
 
     reader = StreamReader(root, run, STREAM, consumer=name, storage_options=options)
     latencies: list[float] = []
@@ -158,7 +158,7 @@ class StreamLoad:
 
 def stream_load(root: str, options: dict[str, Any], writers: int, shards_each: int) -> StreamLoad:
     """W writer processes and two consumer processes on one fresh stream; the counts."""
-    from infra.streams.reader import StreamReader
+    from sluice.infra.streams.reader import StreamReader
 
     run = f"load-{uuid.uuid4().hex[:8]}"
     total = writers * shards_each
@@ -217,8 +217,8 @@ def stream_load(root: str, options: dict[str, Any], writers: int, shards_each: i
 
 
 def _committer(tracking_uri: str, model: str, root: str, options: dict, versions: int) -> None:
-    from infra.checkpoints import save_checkpoint
-    from infra.registry import CheckpointRegistry
+    from sluice.infra.checkpoints import save_checkpoint
+    from sluice.infra.registry import CheckpointRegistry
 
     registry = CheckpointRegistry(tracking_uri, model, storage_options=options)
     with tempfile.TemporaryDirectory() as local:
@@ -230,8 +230,8 @@ def _committer(tracking_uri: str, model: str, root: str, options: dict, versions
 
 
 def _poller(tracking_uri: str, model: str, options: dict, last_version: int, queue: Any) -> None:
-    from infra.checkpoints import verify_checkpoint
-    from infra.registry import CheckpointRegistry
+    from sluice.infra.checkpoints import verify_checkpoint
+    from sluice.infra.registry import CheckpointRegistry
 
     registry = CheckpointRegistry(tracking_uri, model, storage_options=options)
     newest, polls, regressions, incomplete = -1, 0, 0, 0
@@ -272,7 +272,7 @@ class RegistryLoad:
 
 def registry_load(root: str, options: dict[str, Any], versions: int, pollers: int) -> RegistryLoad:
     """One committer and `pollers` alias pollers on a fresh sqlite registry."""
-    from infra.registry import CheckpointRegistry
+    from sluice.infra.registry import CheckpointRegistry
 
     workdir = Path(tempfile.mkdtemp(prefix="sluice-load-"))
     tracking_uri = f"sqlite:///{workdir}/mlflow.db"

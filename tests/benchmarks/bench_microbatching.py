@@ -4,7 +4,7 @@ Trains a small causal LM (Hugging Face Llama architecture, random init) on CPU o
 long-tailed batch of sequences, the same number of optimizer steps each way, under the
 same memory cap: at most ``--max-tokens`` tokens per micro-batch *including padding*.
 
-- dynamic: :func:`engines.batching.dynamic_micro_batches` (AReaL Algorithm 1), each
+- dynamic: :func:`sluice.engines.rl.batching.dynamic_micro_batches` (AReaL Algorithm 1), each
   micro-batch packed into one row and run with varlen attention (per-sequence causal
   SDPA from ``cu_seqlens``), no padding anywhere.
 - fixed: the batch split in its given order into the fewest equal-count slices whose
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engines.batching import (
+from sluice.engines.rl.batching import (
     dynamic_micro_batches,
     fixed_micro_batches,
     pack_sequences,

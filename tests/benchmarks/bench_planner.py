@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engines.planner.costs import CostModel, Layout, Workload  # noqa: E402
-from engines.planner.hardware import GPUS, MODELS, gpu_costs, kv_slots, lognormal_lengths  # noqa: E402
-from engines.planner.search import async_layouts, sweep  # noqa: E402
-from engines.planner.simulate import simulate  # noqa: E402
+from sluice.engines.planner.costs import CostModel, Layout, Workload  # noqa: E402
+from sluice.engines.planner.hardware import GPUS, MODELS, gpu_costs, kv_slots, lognormal_lengths  # noqa: E402
+from sluice.engines.planner.search import async_layouts, sweep  # noqa: E402
+from sluice.engines.planner.simulate import simulate  # noqa: E402
 
 
 def timed_sweep(label: str, workload: Workload, costs: CostModel, layouts: list[Layout]) -> None:

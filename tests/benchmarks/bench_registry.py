@@ -52,8 +52,8 @@ def main() -> None:
 
     from mlflow import MlflowClient
 
-    from infra.checkpoints import save_checkpoint
-    from infra.registry import CheckpointRegistry
+    from sluice.infra.checkpoints import save_checkpoint
+    from sluice.infra.registry import CheckpointRegistry
 
     with tempfile.TemporaryDirectory(prefix="sluice-bench-registry-") as tmp:
         root = Path(tmp)

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from infra.checkpoints import save_checkpoint
-from infra.registry import CheckpointRegistry
-from infra.tracking import get_client, log_metrics, start_or_resume_run
+from sluice.infra.checkpoints import save_checkpoint
+from sluice.infra.registry import CheckpointRegistry
+from sluice.infra.tracking import get_client, log_metrics, start_or_resume_run
 
 
 def poll(uri: str, stop: multiprocessing.Event) -> None:

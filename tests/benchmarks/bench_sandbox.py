@@ -2,7 +2,7 @@
 
 For the same honest program (a function and three asserts), one invocation measures:
 
-- process: the process sandbox (``engines.sandbox.run_python``), one run after another;
+- process: the process sandbox (``sluice.engines.env.sandbox.run_python``), one run after another;
 - docker, no pool: a container created and started for each run;
 - docker, warm pool: runs taking containers the pool started ahead, one after another,
   and with ``--threads`` verifier threads at once (the pool refills behind them).
@@ -21,8 +21,8 @@ import platform
 import statistics
 import time
 
-from engines.sandbox import run_python
-from infra.docker_sandbox import DockerSandbox
+from sluice.engines.env.sandbox import run_python
+from sluice.infra.docker_sandbox import DockerSandbox
 
 CODE = "def square(x):\n    return x * x"
 TESTS = "assert square(3) == 9\nassert square(-2) == 4\nassert square(0) == 0"

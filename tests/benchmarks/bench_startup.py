@@ -26,10 +26,10 @@ MODES = ("async η=4", "sync")
 
 
 def trial(base: Any, mode: str, launcher: str, name: str, budget_s: float) -> dict[int, float]:
-    from flows.bench import with_settings
-    from flows.time_to_target import ScoredRun
-    from flows.train import train
-    from flows.train_sync import train_sync
+    from sluice.flows.bench.async_vs_sync import with_settings
+    from sluice.flows.bench.time_to_target import ScoredRun
+    from sluice.flows.train import train
+    from sluice.flows.train_sync import train_sync
 
     config = with_settings(
         base,
@@ -55,10 +55,10 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
-    from flows.bench import apply_bench_defaults, with_settings
-    from flows.studies import pin_initial_policy
-    from flows.time_to_target import TTT_DEFAULTS
-    from infra.config import load_config
+    from sluice.flows.bench.async_vs_sync import apply_bench_defaults, with_settings
+    from sluice.flows.bench.studies import pin_initial_policy
+    from sluice.flows.bench.time_to_target import TTT_DEFAULTS
+    from sluice.infra.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
         base = load_config("default")

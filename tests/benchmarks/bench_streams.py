@@ -34,9 +34,9 @@ import pyarrow as pa
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from infra.streams.reader import StreamReader  # noqa: E402
-from infra.streams.schema import FlatList, flat_list_column, table_from_arrays  # noqa: E402
-from infra.streams.writer import StreamWriter  # noqa: E402
+from sluice.infra.streams.reader import StreamReader  # noqa: E402
+from sluice.infra.streams.schema import FlatList, flat_list_column, table_from_arrays  # noqa: E402
+from sluice.infra.streams.writer import StreamWriter  # noqa: E402
 
 GROUP_SIZE = 8
 SHARD_SIZES_GROUPS = (1, 16, 256)

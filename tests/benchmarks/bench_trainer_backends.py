@@ -27,11 +27,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.loss import make_policy_loss
-from engines.rollout_correction import make_rollout_correction
-from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.rollout_correction import make_rollout_correction
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
-SHIPPED = Path(__file__).resolve().parents[2] / "engines" / "policies" / "longtail_sum-llama-0.9m"
+SHIPPED = (
+    Path(__file__).resolve().parents[2]
+    / "engines"
+    / "policy"
+    / "policies"
+    / "longtail_sum-llama-0.9m"
+)
 
 
 def batch(rng: np.random.Generator, n: int, median: int, longest: int) -> list[TrainingSample]:
@@ -59,7 +65,7 @@ def layout_rank(rank: int, layout: str, port: int, args: argparse.Namespace, out
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2"})
     torch.set_num_threads(1)
-    from engines.megatron.trainer import MegatronPolicyTrainer
+    from sluice.engines.megatron.trainer import MegatronPolicyTrainer
 
     tp, pp, dp = LAYOUTS[layout]
     trainer = MegatronPolicyTrainer(
@@ -121,7 +127,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), default=list(LAYOUTS))
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron-core without TE/Apex
-    from engines.megatron.trainer import MegatronPolicyTrainer
+    from sluice.engines.megatron.trainer import MegatronPolicyTrainer
 
     torch.set_num_threads(args.threads)
     trainers = {

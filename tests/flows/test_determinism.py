@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from flows.determinism import compare_histories, determinism_check, run_sync
-from infra.config import load_config
+from sluice.flows.bench.determinism import compare_histories, determinism_check, run_sync
+from sluice.infra.config import load_config
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = [pytest.mark.flows, pytest.mark.slow]

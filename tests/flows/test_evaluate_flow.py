@@ -7,11 +7,11 @@ a tiny model instead of a training run.
 
 import pytest
 
-from infra.config import load_config
-from infra.registry import CheckpointRegistry
-from infra.tracking import get_client, get_metric_history, start_or_resume_run
-from tasks.common import registered_model_name
-from tasks.prepare import ensure_version_zero
+from sluice.infra.config import load_config
+from sluice.infra.registry import CheckpointRegistry
+from sluice.infra.tracking import get_client, get_metric_history, start_or_resume_run
+from sluice.tasks.run.paths import registered_model_name
+from sluice.tasks.run.prepare import ensure_version_zero
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -20,7 +20,7 @@ RUN_ID = "evaltest"
 
 
 def test_evaluate_flow_logs_tags_and_reports_a_committed_version(prefect_api, tmp_path):
-    from flows.evaluate import SUMMARY_ARTIFACT_KEY, TABLE_ARTIFACT_KEY, evaluate
+    from sluice.flows.evaluate import SUMMARY_ARTIFACT_KEY, TABLE_ARTIFACT_KEY, evaluate
 
     config = load_config("default", tiny_run_overrides(tmp_path))
     mlflow_run_id = start_or_resume_run(
@@ -55,7 +55,7 @@ def test_evaluate_flow_logs_tags_and_reports_a_committed_version(prefect_api, tm
 
 
 def test_evaluate_flow_opens_its_own_mlflow_run_for_a_version_without_one(prefect_api, tmp_path):
-    from flows.evaluate import evaluate
+    from sluice.flows.evaluate import evaluate
 
     config = load_config("default", tiny_run_overrides(tmp_path))
     mlflow_run_id = start_or_resume_run(

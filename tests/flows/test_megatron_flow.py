@@ -6,19 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import load_config
-from infra.registry import CheckpointRegistry
-from infra.streams.reader import StreamReader
-from tasks.common import registered_model_name
+from sluice.infra.config import load_config
+from sluice.infra.registry import CheckpointRegistry
+from sluice.infra.streams.reader import StreamReader
+from sluice.tasks.run.paths import registered_model_name
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = pytest.mark.flows
 
 
 def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, tmp_path):
-    from engines.inference.engine import InferenceEngine
-    from engines.inference.types import GenerationRequest, SamplingParams
-    from flows.train import train
+    from sluice.engines.inference.engine import InferenceEngine
+    from sluice.engines.inference.types import GenerationRequest, SamplingParams
+    from sluice.flows.train import train
 
     overrides = tiny_run_overrides(
         tmp_path, **{"trainer.backend": "megatron", "trainer.total_steps": 2}
@@ -51,7 +51,7 @@ def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, 
 def test_a_two_rank_run_trains_with_a_following_rank_and_leaves_none(
     size, shard, prefect_api, tmp_path
 ):
-    from flows.train import train
+    from sluice.flows.train import train
 
     overrides = tiny_run_overrides(
         tmp_path,

@@ -4,16 +4,16 @@ observations masked, and the run's metrics say so."""
 
 import pytest
 
-from infra.config import load_config
-from infra.streams.reader import StreamReader
-from infra.tracking import get_metric_history
+from sluice.infra.config import load_config
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.tracking import get_metric_history
 from tests.conftest import local_run_settings
 
 pytestmark = pytest.mark.flows
 
 
 def test_the_multiturn_run_learns_to_call_its_tool(prefect_api, tmp_path):
-    from flows.train import train
+    from sluice.flows.train import train
 
     settings = [f"{k}={v}" for k, v in local_run_settings(tmp_path).items()]
     config = load_config("multiturn", [*settings, "trainer.total_steps=30"])

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from infra.config import load_config
-from infra.tracking import get_client
-from tasks.measurements import measure_run
+from sluice.flows.cli import main
+from sluice.flows.planner.measurements import measure_run
+from sluice.infra.config import load_config
+from sluice.infra.tracking import get_client
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.flows
 def test_plan_from_a_sync_and_an_async_run_recommends_a_split_and_logs_its_plot(
     prefect_api, tmp_path, capsys
 ):
-    from flows.train import train
-    from flows.train_sync import train_sync
+    from sluice.flows.train import train
+    from sluice.flows.train_sync import train_sync
 
     overrides = tiny_run_overrides(tmp_path, **{"trainer.total_steps": 10})
     config = load_config("default", overrides)
@@ -77,7 +77,7 @@ def test_plan_from_a_sync_and_an_async_run_recommends_a_split_and_logs_its_plot(
     assert runs[0].data.params["recommended.max_staleness"] in {"0", "2"}
 
     # The same plan as a Prefect flow: its table is the flow run's markdown artifact.
-    from flows.plan import plan_runs
+    from sluice.flows.planner.plan import plan_runs
 
     state = plan_runs(config, ["measured-async"], devices=2, etas=[1], return_state=True)
     assert state.is_completed(), state.message

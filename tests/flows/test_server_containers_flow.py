@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from infra.config import load_config
-from infra.registry import CheckpointRegistry
-from tasks.common import read_statuses, registered_model_name, run_paths
+from sluice.infra.config import load_config
+from sluice.infra.registry import CheckpointRegistry
+from sluice.tasks.run.paths import registered_model_name, run_paths
+from sluice.tasks.run.status import read_statuses
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = [pytest.mark.flows, pytest.mark.docker]
@@ -22,7 +23,7 @@ def kill_server_when_generating(config, run_id: str, killed: list[str], stop: th
     (so the restarted one, which starts from the first, must be brought forward)."""
     import docker
 
-    from infra.docker_servers import LABEL
+    from sluice.infra.docker_servers import LABEL
 
     client = docker.from_env()
     paths = run_paths(config, run_id)
@@ -40,8 +41,8 @@ def test_rollouts_go_through_a_server_container_that_is_restarted_after_a_kill(
 ):
     import docker
 
-    from flows.train import train
-    from infra.docker_servers import LABEL
+    from sluice.flows.train import train
+    from sluice.infra.docker_servers import LABEL
 
     run_id = "served"
     config = load_config(

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from infra.config import load_config
-from infra.tracking import get_client
+from sluice.infra.config import load_config
+from sluice.infra.tracking import get_client
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = [pytest.mark.flows, pytest.mark.slow]
@@ -29,7 +29,7 @@ def bench_artifacts(config, name, tag):
 
 
 def test_staleness_study_runs_one_cell_and_logs_its_table(prefect_api, tmp_path):
-    from flows.studies import bench_staleness
+    from sluice.flows.bench.studies import bench_staleness
 
     config = tiny_study_config(tmp_path)
     out = bench_staleness(
@@ -49,7 +49,7 @@ def test_staleness_study_runs_one_cell_and_logs_its_table(prefect_api, tmp_path)
 
 
 def test_mismatch_study_injects_noise_and_logs_the_correction_row(prefect_api, tmp_path):
-    from flows.studies import bench_mismatch
+    from sluice.flows.bench.studies import bench_mismatch
 
     config = tiny_study_config(
         tmp_path, **{"rollout.weight_noise_std": 0.05, "staleness.max_staleness": 0}

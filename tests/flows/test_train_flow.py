@@ -3,11 +3,11 @@ real Arrow shards on disk. Checks what a user would look at afterwards."""
 
 import pytest
 
-from infra.config import load_config
-from infra.registry import CheckpointRegistry
-from infra.streams.reader import StreamReader
-from infra.tracking import get_metric_history
-from tasks.common import registered_model_name
+from sluice.infra.config import load_config
+from sluice.infra.registry import CheckpointRegistry
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.tracking import get_metric_history
+from sluice.tasks.run.paths import registered_model_name
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.flows
 def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     prefect_api, tmp_path
 ):
-    from flows.train import train
+    from sluice.flows.train import train
 
     config = load_config("default", tiny_run_overrides(tmp_path))
     state = train(config, run_id="flowtest", return_state=True)
@@ -63,7 +63,7 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
 
 
 def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(prefect_api, tmp_path):
-    from flows.train import train
+    from sluice.flows.train import train
 
     first = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2}))
     done = train(first, run_id="resumed")
@@ -89,7 +89,7 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(prefec
 
 
 def test_resume_of_a_finished_run_says_what_to_raise(prefect_api, tmp_path):
-    from flows.train import ResumeError, train
+    from sluice.flows.train import ResumeError, train
 
     config = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 1}))
     train(config, run_id="finished")
@@ -107,8 +107,8 @@ def test_a_checkpoint_deleted_after_its_commit_stops_the_run_in_one_line_until_r
     import shutil
     from pathlib import Path
 
-    from flows.train import train
-    from tasks.supervise import CheckpointDamaged
+    from sluice.flows.train import train
+    from sluice.tasks.process.supervisor import CheckpointDamaged
 
     first = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2}))
     train(first, run_id="damaged")

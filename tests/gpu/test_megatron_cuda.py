@@ -20,11 +20,11 @@ pytestmark = [
 def test_bf16_distributed_optimizer_on_cuda_tracks_the_float32_torch_backend(
     tmp_path: Path,
 ) -> None:
-    from engines.inference.weights import read_weight_files
-    from engines.loss import make_policy_loss
-    from engines.megatron.trainer import MegatronPolicyTrainer
-    from engines.rollout_correction import make_rollout_correction
-    from engines.trainer import PolicyTrainer
+    from sluice.engines.inference.weights import read_weight_files
+    from sluice.engines.megatron.trainer import MegatronPolicyTrainer
+    from sluice.engines.rl.loss import make_policy_loss
+    from sluice.engines.rl.rollout_correction import make_rollout_correction
+    from sluice.engines.rl.trainer import PolicyTrainer
     from tests.unit.test_megatron_trainer import SETTINGS, SHIPPED, _samples
 
     def make(cls: type, model_dir: Path, **kwargs) -> PolicyTrainer:

@@ -60,7 +60,7 @@ def test_sluice_trains_through_the_stack_prefect_mlflow_and_s3(stack) -> None:
     import s3fs
     from mlflow import MlflowClient
 
-    from infra.registry import CheckpointRegistry
+    from sluice.infra.registry import CheckpointRegistry
     from tests.flows.conftest import tiny_run_overrides
 
     command = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["sluice"]["command"]

@@ -118,9 +118,9 @@ def test_deploy_all_creates_train_and_scheduled_reproduce(prefect_server):
 def test_a_docker_worker_runs_train_docker_to_completion_in_sluice_image(
     prefect_server, sluice_image, tmp_path
 ):
-    from infra.config import load_config
-    from infra.registry import CheckpointRegistry
-    from tasks.common import registered_model_name
+    from sluice.infra.config import load_config
+    from sluice.infra.registry import CheckpointRegistry
+    from sluice.tasks.run.paths import registered_model_name
     from tests.flows.conftest import tiny_run_overrides
 
     env = prefect_server

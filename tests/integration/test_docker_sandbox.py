@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.docker]
 
 @pytest.fixture(scope="module")
 def sandbox() -> Iterator[object]:
-    from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
 
     try:
         box = DockerSandbox(pool_size=2, memory_mb=256)
@@ -26,7 +26,7 @@ def sandbox() -> Iterator[object]:
 
 
 def test_the_code_verifier_scores_through_containers(sandbox) -> None:
-    from tasks.reward import VerifierPool
+    from sluice.tasks.reward import VerifierPool
 
     pool = VerifierPool("code", 2, 30.0, 1.0, 0.0, run_python=sandbox.run_python)
     asserts = {"tests": "assert square(3) == 9\nassert square(-2) == 4"}
@@ -43,14 +43,14 @@ def test_the_code_verifier_scores_through_containers(sandbox) -> None:
 
 
 def test_a_missing_sandbox_image_is_named(sandbox) -> None:  # (the engine is up)
-    from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
 
     with pytest.raises(SandboxUnavailable, match="'sluice-base:no-such-tag' is missing"):
         DockerSandbox("sluice-base:no-such-tag")
 
 
 def test_containers_left_by_a_dead_owner_are_removed(sandbox) -> None:
-    from infra.docker_sandbox import LABEL, DockerSandbox
+    from sluice.infra.docker_sandbox import LABEL, DockerSandbox
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid nothing owns any more
@@ -66,9 +66,9 @@ def test_containers_left_by_a_dead_owner_are_removed(sandbox) -> None:
 
 
 def test_auto_takes_containers_where_an_engine_answers(sandbox) -> None:
-    from infra.config import load_config
-    from infra.docker_sandbox import DockerSandbox
-    from tasks.reward import code_sandbox
+    from sluice.infra.config import load_config
+    from sluice.infra.docker_sandbox import DockerSandbox
+    from sluice.tasks.reward import code_sandbox
 
     chosen = code_sandbox(load_config("default", ["reward.verifier=code", "reward.sandbox_pool=1"]))
     assert isinstance(chosen, DockerSandbox)

@@ -8,12 +8,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.config import load_config
-from tasks.inference_server import EmbeddedServer
+from sluice.infra.config import load_config
+from sluice.tasks.process.inference_server import EmbeddedServer
 
 pytestmark = pytest.mark.integration
 
-SHIPPED = Path(__file__).resolve().parents[2] / "engines" / "policies" / "longtail_sum-llama-0.9m"
+SHIPPED = (
+    Path(__file__).resolve().parents[2]
+    / "engines"
+    / "policy"
+    / "policies"
+    / "longtail_sum-llama-0.9m"
+)
 
 
 def test_embedded_server_reports_the_configured_device_and_dtype(tmp_path):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engines.episodes import EpisodeSpec, ToolResult, run_group
-from engines.inference.engine import InferenceEngine
-from infra.serving.client import InferenceClient
-from infra.serving.server import ServerThread, create_app
+from sluice.engines.env.episodes import EpisodeSpec, ToolResult, run_group
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.infra.serving.client import InferenceClient
+from sluice.infra.serving.server import ServerThread, create_app
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.launch import Child, Launcher, start_role
+from sluice.tasks.process.launcher import Child, Launcher, start_role
 
 pytestmark = pytest.mark.integration
 

@@ -28,8 +28,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
-    from engines.batching import pack_sequences, register_packed_attention
-    from engines.megatron import model as megatron_model
+    from sluice.engines.megatron import model as megatron_model
+    from sluice.engines.rl.batching import pack_sequences, register_packed_attention
 
     megatron_model.initialize_parallel(tensor_parallel=world, pipeline_parallel=1)
     model, hf_config = megatron_model.load_hf_policy(model_dir)
@@ -100,9 +100,9 @@ def _train_rank_main(
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
     os.environ["WORLD_SIZE"] = str(world)
     torch.set_num_threads(1)
-    from engines.loss import make_policy_loss
-    from engines.megatron.trainer import MegatronPolicyTrainer
-    from engines.rollout_correction import make_rollout_correction
+    from sluice.engines.megatron.trainer import MegatronPolicyTrainer
+    from sluice.engines.rl.loss import make_policy_loss
+    from sluice.engines.rl.rollout_correction import make_rollout_correction
     from tests.unit.test_megatron_trainer import SETTINGS, SHIPPED, _samples
 
     def make(model_dir: Path) -> MegatronPolicyTrainer:
@@ -190,10 +190,10 @@ def test_two_rank_layouts_train_like_the_torch_backend(layout: str, tmp_path: Pa
     Tolerances: log-probs within 1e-5 absolute or 2e-6 relative (split matmuls sum the
     same products in another order; the worst seen is 1.1e-5 on a log-prob of -7.6),
     metrics within 1e-4 relative, weights within 1e-5 absolute."""
-    from engines.inference.weights import read_weight_files
-    from engines.loss import make_policy_loss
-    from engines.rollout_correction import make_rollout_correction
-    from engines.trainer import PolicyTrainer
+    from sluice.engines.inference.weights import read_weight_files
+    from sluice.engines.rl.loss import make_policy_loss
+    from sluice.engines.rl.rollout_correction import make_rollout_correction
+    from sluice.engines.rl.trainer import PolicyTrainer
     from tests.unit.test_megatron_trainer import SETTINGS, SHIPPED, _samples
 
     mp.start_processes(

@@ -31,7 +31,7 @@ class Cli:
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
         self.lines: list[str] = []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "train", *args],
+            [sys.executable, "-m", "sluice.flows.cli", "train", *args],
             cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
@@ -65,7 +65,8 @@ class Cli:
 
 
 def _step(config, run_id: str) -> int:
-    from tasks.common import read_statuses, run_paths
+    from sluice.tasks.run.paths import run_paths
+    from sluice.tasks.run.status import read_statuses
 
     try:
         return int(read_statuses(config, run_paths(config, run_id)).get("train", {}).get("step", 0))
@@ -82,8 +83,8 @@ def _wait_for_step(cli: Cli, config, run_id: str, step: int, timeout_s: float = 
 
 
 def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path) -> None:
-    from infra.config import load_config
-    from tasks.audit import audit_run
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.audit import audit_run
 
     os.environ.update(S3_ENV)
     s3 = S3Server()

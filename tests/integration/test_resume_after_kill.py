@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from engines.groups import group_index_of
-from infra.config import load_config
-from infra.registry import CheckpointRegistry
-from infra.streams.reader import StreamReader
-from infra.tracking import start_or_resume_run
-from tasks.common import read_statuses, registered_model_name, run_paths
-from tasks.prepare import ensure_version_zero
-from tasks.supervise import role_command
+from sluice.engines.rl.groups import group_index_of
+from sluice.infra.config import load_config
+from sluice.infra.registry import CheckpointRegistry
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.tracking import start_or_resume_run
+from sluice.tasks.process.supervisor import role_command
+from sluice.tasks.run.paths import registered_model_name, run_paths
+from sluice.tasks.run.prepare import ensure_version_zero
+from sluice.tasks.run.status import read_statuses
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = pytest.mark.integration

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.sandbox import SandboxResult
-from engines.sandbox import run_python as run_in_process
+from sluice.engines.env.sandbox import SandboxResult
+from sluice.engines.env.sandbox import run_python as run_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -205,7 +205,7 @@ def test_the_process_sandbox_contains_every_attack(host: Host, capsys) -> None:
 
 @pytest.mark.docker
 def test_the_docker_sandbox_contains_every_attack_and_cleans_up(host: Host, capsys) -> None:
-    from infra.docker_sandbox import LABEL, DockerSandbox, SandboxUnavailable
+    from sluice.infra.docker_sandbox import LABEL, DockerSandbox, SandboxUnavailable
 
     try:
         sandbox = DockerSandbox(pool_size=2, memory_mb=256, pids_limit=32)

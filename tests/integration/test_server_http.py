@@ -18,15 +18,15 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.profile import StepProfile
-from engines.inference.types import GenerationRequest, SamplingParams
-from infra.serving.client import (
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.profile import StepProfile
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.infra.serving.client import (
     InferenceClient,
     InferenceServerError,
     InferenceServerUnreachableError,
 )
-from infra.serving.server import ServerThread, create_app
+from sluice.infra.serving.server import ServerThread, create_app
 
 pytestmark = pytest.mark.integration
 
@@ -337,7 +337,7 @@ def test_requests_spread_over_servers(served: Served, tmp_path: Path) -> None:
 
 
 def test_cli_module_serves(served: Served, tmp_path: Path) -> None:
-    """``python -m infra.serving.server`` comes up and answers /model_info."""
+    """``python -m sluice.infra.serving.server`` comes up and answers /model_info."""
     import subprocess
     import sys
 
@@ -346,7 +346,7 @@ def test_cli_module_serves(served: Served, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "infra.serving.server",
+            "sluice.infra.serving.server",
             "--model",
             str(served.v0),
             "--port",
@@ -390,7 +390,7 @@ def test_text_prompts_use_the_model_directorys_tokenizer(served: Served, tmp_pat
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from infra.serving.server import load_tokenizer
+    from sluice.infra.serving.server import load_tokenizer
 
     model_dir = tmp_path / "with_tokenizer"
     shutil.copytree(served.v0, model_dir)
@@ -418,7 +418,7 @@ def test_server_watchdog_stops_the_server_when_its_parent_is_gone() -> None:
     """A rollout role killed with SIGKILL cannot stop its server: the server stops itself."""
     script = (
         "import sys, time\n"
-        "from infra.serving.server import exit_with_parent\n"
+        "from sluice.infra.serving.server import exit_with_parent\n"
         "exit_with_parent(int(sys.argv[1]), poll_s=0.05)\n"
         "time.sleep(60)\n"
     )

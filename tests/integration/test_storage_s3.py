@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from infra.checkpoint_cache import fetch_checkpoint
-from infra.checkpoints import save_checkpoint, verify_checkpoint
-from infra.storage import exists, list_names, open_filesystem, put_atomic, put_file
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.checkpoints import save_checkpoint, verify_checkpoint
+from sluice.infra.storage import exists, list_names, open_filesystem, put_atomic, put_file
 
 pytestmark = pytest.mark.integration
 

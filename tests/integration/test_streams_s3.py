@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from infra.streams.errors import StreamStorageError
-from infra.streams.reader import StreamReader
-from infra.streams.writer import StreamWriter
+from sluice.infra.streams.errors import StreamStorageError
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.streams.writer import StreamWriter
 from tests.integration.conftest import S3Endpoint
 from tests.unit.test_streams import (
     RUN,

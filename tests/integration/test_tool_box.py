@@ -1,5 +1,5 @@
 """The rollout role's tool runner with real worker processes: a user tool that answers,
-raises, hangs or kills its worker; every call gets an answer in time (tasks/tools.py)."""
+raises, hangs or kills its worker; every call gets an answer in time (tasks/tool_runner.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tasks.tools import Shaping, ToolBox, ToolSpecError
+from sluice.tasks.tool_runner import Shaping, ToolBox, ToolSpecError
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ def test_a_tool_that_cannot_be_loaded_stops_the_role_at_start(plugin: str) -> No
 
 
 def test_a_shaping_hook_sees_every_turn_and_a_broken_one_adds_nothing(plugin: str) -> None:
-    from engines.episodes import Episode, TurnRecord
+    from sluice.engines.env.episodes import Episode, TurnRecord
 
     episode = Episode(
         turns=[

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from infra.lease import LeaseHeld, StorageLease
-from infra.storage import open_filesystem
-from tasks.common import filesystem, run_paths
-from tasks.training import TRAINER_LEASE
+from sluice.infra.lease import LeaseHeld, StorageLease
+from sluice.infra.storage import open_filesystem
+from sluice.tasks.run.paths import filesystem, run_paths
+from sluice.tasks.training import TRAINER_LEASE
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,14 @@ def test_a_second_train_process_on_a_held_run_is_refused(local_run_config, tmp_p
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with StorageLease(fs, path, what="the trainer lease of run held", ttl_s=6.0):
         second = subprocess.run(
-            [sys.executable, "-m", "tasks.worker", "train", "--config", str(config_path)]
+            [
+                sys.executable,
+                "-m",
+                "sluice.tasks.process.worker",
+                "train",
+                "--config",
+                str(config_path),
+            ]
             + ["--run-id", "held", "--mlflow-run-id", "none"],
             capture_output=True,
             text=True,
@@ -35,7 +42,7 @@ def test_a_second_train_process_on_a_held_run_is_refused(local_run_config, tmp_p
         )
     assert second.returncode != 0
     last = second.stderr.strip().splitlines()[-1]
-    assert last.startswith("infra.lease.LeaseHeld: the trainer lease of run held is held by")
+    assert last.startswith("sluice.infra.lease.LeaseHeld: the trainer lease of run held is held by")
     assert f"process {os.getpid()} on" in last
 
 

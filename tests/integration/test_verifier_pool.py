@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.reward import VerifierPool
+from sluice.tasks.reward import VerifierPool
 
 pytestmark = pytest.mark.integration
 SPEC = "tests.integration.verifier_plugins:unruly"

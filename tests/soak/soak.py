@@ -1,5 +1,5 @@
 """Fault soak: a real `sluice train` on S3 and an MLflow server while a chaos driver
-breaks things, then the run's books (tasks/audit.py), counted.
+breaks things, then the run's books (tasks/run/audit.py), counted.
 
 Everything is on loopback: moto's S3 server and `mlflow server` (sqlite behind it) run
 as processes of their own; `sluice train` runs as users run it, a process with its own
@@ -176,7 +176,8 @@ class Driver:
         self.plan_path = plan_path
 
     def statuses(self, run_id: str) -> dict[str, dict[str, Any]]:
-        from tasks.common import read_statuses, run_paths
+        from sluice.tasks.run.paths import run_paths
+        from sluice.tasks.run.status import read_statuses
 
         try:
             return read_statuses(self.config, run_paths(self.config, run_id))
@@ -213,8 +214,8 @@ class Driver:
 def run_soak(
     steps: int = 48, kills: int = 2, outages: int = 2, seed: int = 0, root: Path | None = None
 ) -> SoakResult:
-    from infra.config import load_config
-    from tasks.audit import audit_run
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.audit import audit_run
 
     root = root or Path(tempfile.mkdtemp(prefix="sluice-soak-"))
     rng = random.Random(seed)
@@ -237,7 +238,7 @@ def run_soak(
             "SLUICE_FAILPOINTS": str(plan_path),
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
         }
-        command = [sys.executable, "-m", "flows.cli", "train"]
+        command = [sys.executable, "-m", "sluice.flows.cli", "train"]
         command += [part for o in overrides for part in ("--set", o)]
         started = time.monotonic()
         flow = subprocess.Popen(

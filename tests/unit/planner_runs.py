@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engines.inference.profile import StepProfile
-from engines.planner.calibrate import RunMeasurements, TrainStep
+from sluice.engines.inference.profile import StepProfile
+from sluice.engines.planner.calibrate import RunMeasurements, TrainStep
 
 
 def measured_profile(a: float, r: float, d: float, points: list[tuple[int, int]]) -> StepProfile:

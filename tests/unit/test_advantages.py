@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engines.advantages import broadcast_to_tokens, compute_advantages, make_advantage_fn
+from sluice.engines.rl.advantages import broadcast_to_tokens, compute_advantages, make_advantage_fn
 
 EPS = 1e-6
 

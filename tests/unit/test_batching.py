@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from engines.batching import (
+from sluice.engines.rl.batching import (
     OverlongSequenceWarning,
     block_diagonal_causal_mask,
     dynamic_micro_batches,

@@ -20,8 +20,8 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from infra.checkpoint_cache import fetch_checkpoint, prune_checkpoint_cache
-from infra.checkpoints import (
+from sluice.infra.checkpoint_cache import fetch_checkpoint, prune_checkpoint_cache
+from sluice.infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointIncomplete,
@@ -160,7 +160,7 @@ def test_sealing_a_directory_in_place_only_adds_the_manifest(hf_dir):
 
 
 def test_crash_during_local_save_leaves_nothing_at_the_target(hf_dir, tmp_path, monkeypatch):
-    import infra.checkpoints as checkpoints
+    import sluice.infra.checkpoints as checkpoints
 
     real_put = checkpoints.put_file
     calls = {"n": 0}
@@ -284,7 +284,7 @@ def test_prune_keeps_the_most_recent_fetched_copies(hf_dir, tmp_path):
 def test_fetches_into_one_cache_reuse_a_digest_and_keep_the_newest_copies(
     hf_dir, tmp_path, monkeypatch
 ):
-    import infra.checkpoint_cache as checkpoint_cache
+    import sluice.infra.checkpoint_cache as checkpoint_cache
 
     downloads = []
     real_download = checkpoint_cache._download_verified
@@ -331,8 +331,8 @@ def test_pruning_never_deletes_a_copy_another_process_is_still_loading(hf_dir, t
     # The other process fetches version 0 and is still loading it when told to go on.
     script = (
         "import sys\n"
-        "from infra.checkpoint_cache import fetch_checkpoint\n"
-        "from infra.checkpoints import save_checkpoint, verify_checkpoint\n"
+        "from sluice.infra.checkpoint_cache import fetch_checkpoint\n"
+        "from sluice.infra.checkpoints import save_checkpoint, verify_checkpoint\n"
         f"url = save_checkpoint({str(other_source)!r}, 'memory://other-process/v0')\n"
         f"local = fetch_checkpoint(url, {str(cache)!r}, keep_latest=2)\n"
         "print(local, flush=True)\n"

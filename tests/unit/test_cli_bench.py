@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from flows.cli import main, parse
-from infra.config import load_config
+from sluice.flows.cli import main, parse
+from sluice.infra.config import load_config
 
 
 def one_error_line(capsys) -> str:
@@ -60,12 +60,12 @@ def test_study_options_that_cannot_apply_fail_with_one_line(argv, message, capsy
 
 def test_bench_time_to_target_hands_its_options_to_the_benchmark(monkeypatch):
     calls = []
-    fake = types.ModuleType("flows.time_to_target")
+    fake = types.ModuleType("sluice.flows.bench.time_to_target")
     fake.TTT_DEFAULTS = {}
     fake.bench_time_to_target = lambda config, contenders, **options: calls.append(
         {"contenders": contenders, **options}
     )
-    monkeypatch.setitem(sys.modules, "flows.time_to_target", fake)
+    monkeypatch.setitem(sys.modules, "sluice.flows.bench.time_to_target", fake)
     argv = ["bench", "time-to-target", "--variant", "sync", "--variant", "async η=4"]
     assert main([*argv, "--seeds", "2", "--horizon", "90", "--delta", "0.1"]) == 0
     assert calls == [
@@ -75,13 +75,13 @@ def test_bench_time_to_target_hands_its_options_to_the_benchmark(monkeypatch):
 
 def test_bench_determinism_hands_config_and_overrides_to_flows_determinism(monkeypatch):
     calls = []
-    fake = types.ModuleType("flows.determinism")
+    fake = types.ModuleType("sluice.flows.bench.determinism")
     fake.DEFAULT_STEPS = 5
     fake.apply_check_defaults = lambda config, overrides: (
         calls.append((config, overrides)) or config
     )
     fake.determinism_check = lambda config, steps: {"matched": True}
-    monkeypatch.setitem(sys.modules, "flows.determinism", fake)
+    monkeypatch.setitem(sys.modules, "sluice.flows.bench.determinism", fake)
     assert main(["bench", "determinism", "--set", "trainer.total_steps=3"]) == 0
     ((config, overrides),) = calls
     assert config.trainer.total_steps == 3
@@ -89,14 +89,16 @@ def test_bench_determinism_hands_config_and_overrides_to_flows_determinism(monke
 
 
 def test_bench_determinism_without_its_module_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "flows.determinism", None)  # import fails as if absent
+    monkeypatch.setitem(
+        sys.modules, "sluice.flows.bench.determinism", None
+    )  # import fails as if absent
     assert main(["bench", "determinism"]) == 2
-    assert "flows/determinism.py" in one_error_line(capsys)
+    assert "flows/bench/determinism.py" in one_error_line(capsys)
 
 
 def test_study_defaults_reach_nested_keys_and_yield_to_explicit_overrides():
-    from flows.bench import apply_bench_defaults
-    from flows.studies import MISMATCH_DEFAULTS
+    from sluice.flows.bench.async_vs_sync import apply_bench_defaults
+    from sluice.flows.bench.studies import MISMATCH_DEFAULTS
 
     overrides = ["rollout.weight_noise_std=0.2"]
     config = apply_bench_defaults(load_config("default", overrides), overrides, MISMATCH_DEFAULTS)
@@ -106,8 +108,8 @@ def test_study_defaults_reach_nested_keys_and_yield_to_explicit_overrides():
 
 
 def test_every_seed_of_a_cell_is_its_own_named_run_from_the_same_initial_policy(tmp_path):
-    from flows.studies import STALENESS, pin_initial_policy, run_config, seeds_of
-    from flows.study_stats import staleness_cells
+    from sluice.flows.bench.studies import STALENESS, pin_initial_policy, run_config, seeds_of
+    from sluice.flows.bench.study_stats import staleness_cells
 
     base = load_config("default", [f"model.path={tmp_path}", "seed=10"])
     assert pin_initial_policy(base) is base  # a given model.path is every run's version 0

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main, resolve_run
-from infra.checkpoints import save_checkpoint
-from infra.config import RunConfig, load_config
-from infra.registry import CheckpointRegistry
-from infra.tracking import get_client
-from tasks.common import registered_model_name
+from sluice.flows.cli import main, resolve_run
+from sluice.infra.checkpoints import save_checkpoint
+from sluice.infra.config import RunConfig, load_config
+from sluice.infra.registry import CheckpointRegistry
+from sluice.infra.tracking import get_client
+from sluice.tasks.run.paths import registered_model_name
 
 
 def _save_run(workdir: Path, run_id: str, config: RunConfig) -> Path:

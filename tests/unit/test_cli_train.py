@@ -4,15 +4,15 @@ import json
 import subprocess
 import sys
 
-from flows.bench import (
+from sluice.flows.bench.async_vs_sync import (
     BENCH_DEFAULTS,
     VariantResult,
     apply_bench_defaults,
     default_variants,
     ratio_table,
 )
-from flows.cli import main
-from infra.config import load_config
+from sluice.flows.cli import main
+from sluice.infra.config import load_config
 
 
 def test_resume_of_an_unknown_run_fails_with_one_line_naming_it(tmp_path, capsys):
@@ -41,7 +41,7 @@ def test_sync_with_multi_turn_episodes_is_refused_with_one_line(tmp_path, capsys
 
 
 def test_resume_loads_the_runs_own_config_then_the_overrides(tmp_path):
-    from flows.cli import parse
+    from sluice.flows.cli import parse
 
     run_dir = tmp_path / "runs" / "r1"
     run_dir.mkdir(parents=True)
@@ -89,6 +89,6 @@ def test_ratio_table_divides_by_the_sync_row_of_the_same_invocation():
 
 def test_unknown_bench_variant_fails_in_the_parser_before_anything_runs():
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "bench", "nope"], capture_output=True, text=True
+        [sys.executable, "-m", "sluice.flows.cli", "bench", "nope"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

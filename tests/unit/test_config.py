@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from infra.config import CONFIG_DIR, ConfigError, RunConfig, load_config
+from sluice.infra.config import CONFIG_DIR, ConfigError, RunConfig, load_config
 
 
 def test_builtin_configs_validate():
@@ -109,7 +109,7 @@ def test_every_field_is_documented():
 
 def test_cli_fails_fast_with_one_line_before_heavy_imports():
     code = (
-        "import sys; from flows.cli import main; rc = main(['train', '--set', 'trainer.lrr=1']);"
+        "import sys; from sluice.flows.cli import main; rc = main(['train', '--set', 'trainer.lrr=1']);"
         "heavy = [m for m in ('torch', 'prefect', 'mlflow') if m in sys.modules];"
         "print(rc, heavy)"
     )

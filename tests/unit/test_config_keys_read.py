@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from infra.config import RunConfig
-from infra.config_overrides import REMOVED_KEYS, RENAMED_KEYS
+from sluice.infra.config import RunConfig
+from sluice.infra.config_overrides import REMOVED_KEYS, RENAMED_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("engines", "infra", "tasks", "flows")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.report import core_split_lines, suggest_split
+from sluice.tasks.run.report import core_split_lines, suggest_split
 
 
 def test_core_split_lines_name_threads_idle_ratios_and_the_suggested_split() -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import RunConfig, load_config
+from sluice.infra.config import RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 # Nothing listens here: a deployment build that reached for an API would fail loudly.
@@ -27,7 +27,7 @@ def served_config():
 
 @pytest.fixture(scope="module")
 def deployments(no_api, served_config):
-    from flows.deployments import build_deployments
+    from sluice.flows.deployments import build_deployments
 
     return {d.name: d for d in build_deployments(served_config)}
 
@@ -48,7 +48,7 @@ def test_serve_builds_the_deployments_prefect_yaml_declares(deployments):
     }
     assert set(deployments) == set(declared) == {"train", "train-sync", "reproduce-nightly"}
     for name, spec in declared.items():
-        # prefect.yaml names a file (flows/train.py:train); serve names the module.
+        # prefect.yaml names a file (sluice/flows/train.py:train); serve names the module.
         path, function = spec["entrypoint"].split(":")
         module = path.removesuffix(".py").replace("/", ".")
         assert deployments[name].entrypoint == f"{module}.{function}"
@@ -81,7 +81,7 @@ def test_reproduce_runs_nightly_at_three_utc_on_the_pinned_config(deployments):
 
 
 def test_reproduce_follows_where_the_served_config_stores_runs_not_what_it_trains(no_api):
-    from flows.deployments import build_deployments
+    from sluice.flows.deployments import build_deployments
 
     served = load_config(
         "default",
@@ -104,7 +104,7 @@ def test_reproduce_follows_where_the_served_config_stores_runs_not_what_it_train
 
 
 def test_next_steps_name_the_run_command_and_the_ui(deployments):
-    from flows.deployments import next_steps
+    from sluice.flows.deployments import next_steps
 
     text = next_steps(
         list(deployments.values()), "http://127.0.0.1:4200/api", "http://127.0.0.1:4200"
@@ -119,7 +119,7 @@ def test_next_steps_name_the_run_command_and_the_ui(deployments):
 def test_serve_from_cli_serves_the_built_deployments(no_api, monkeypatch, capsys):
     import prefect
 
-    from flows.cli import run_serve as serve_from_cli
+    from sluice.flows.cli import run_serve as serve_from_cli
 
     served = []
     monkeypatch.setattr(prefect, "serve", lambda *d, **kwargs: served.extend(d))

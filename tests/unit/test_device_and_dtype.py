@@ -7,11 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.model import resolve_device
-from infra.config import load_config
-from tasks.evaluate import evaluate_model_dir
+from sluice.engines.policy.model import resolve_device
+from sluice.infra.config import load_config
+from sluice.tasks.evaluate import evaluate_model_dir
 
-SHIPPED = Path(__file__).resolve().parents[2] / "engines" / "policies" / "longtail_sum-llama-0.9m"
+SHIPPED = (
+    Path(__file__).resolve().parents[2]
+    / "engines"
+    / "policy"
+    / "policies"
+    / "longtail_sum-llama-0.9m"
+)
 
 
 def small_eval(*overrides: str):

@@ -7,7 +7,7 @@ import pytest
 def test_a_docker_sandbox_without_an_engine_says_how_to_start_one(tmp_path):
     import docker
 
-    from infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
 
     sock = f"unix://{tmp_path / 'no-engine.sock'}"
     nowhere = docker.DockerClient(base_url=sock, version="1.41", timeout=2)
@@ -16,7 +16,7 @@ def test_a_docker_sandbox_without_an_engine_says_how_to_start_one(tmp_path):
 
 
 def test_the_reward_sandbox_key_takes_auto_process_or_docker():
-    from infra.config import ConfigError, load_config
+    from sluice.infra.config import ConfigError, load_config
 
     assert load_config("default").reward.sandbox == "auto"
     assert load_config("default", ["reward.sandbox=docker"]).reward.sandbox == "docker"
@@ -27,9 +27,9 @@ def test_the_reward_sandbox_key_takes_auto_process_or_docker():
 def test_auto_falls_back_to_the_process_sandbox_and_docker_refuses_without_an_engine(
     tmp_path, monkeypatch, caplog
 ):
-    from infra.config import load_config
-    from infra.docker_sandbox import SandboxUnavailable
-    from tasks.reward import code_sandbox
+    from sluice.infra.config import load_config
+    from sluice.infra.docker_sandbox import SandboxUnavailable
+    from sluice.tasks.reward import code_sandbox
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-engine.sock'}")
     code = ["reward.verifier=code"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import ConfigError, load_config
+from sluice.infra.config import ConfigError, load_config
 
 DOCKER = Path(__file__).resolve().parents[2] / "infra" / "docker"
 SLUICE_COMMANDS = ("sluice", "sluice-serve")

@@ -1,5 +1,5 @@
 """Multi-turn episodes: the turn rules, what each response token records, the built-in
-tools and how a call reaches its tool (engines/episodes.py, engines/tools.py).
+tools and how a call reaches its tool (engines/env/episodes.py, engines/env/tools.py).
 
 The policy here is a script of turns, each a real `GenerateResponse`-shaped answer,
 so every rule is checked exactly; tests/integration runs episodes on the engine."""
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from engines.episodes import EpisodeSpec, ToolResult, call_text, run_episode
-from engines.tools import ToolError, calculator, python_tool, route_call
+from sluice.engines.env.episodes import EpisodeSpec, ToolResult, call_text, run_episode
+from sluice.engines.env.tools import ToolError, calculator, python_tool, route_call
 
 EOS = 3
 
@@ -179,8 +179,8 @@ def test_one_tool_takes_the_whole_call_and_several_need_a_name() -> None:
 
 
 def test_episode_metrics_count_turns_calls_observations_and_per_turn_staleness() -> None:
-    from engines.samples import episode_stats, staleness_stats, turn_starts
-    from infra.streams.schema import table_from_rows
+    from sluice.engines.rl.samples import episode_stats, staleness_stats, turn_starts
+    from sluice.infra.streams.schema import table_from_rows
 
     def row(i, mask, versions, turns, calls, errors):
         n = len(mask)
@@ -213,8 +213,8 @@ def test_episode_metrics_count_turns_calls_observations_and_per_turn_staleness()
 
 
 def test_shaping_earned_in_the_episode_is_added_to_the_verifiers_reward() -> None:
-    from engines.samples import score_table
-    from infra.streams.schema import table_from_rows
+    from sluice.engines.rl.samples import score_table
+    from sluice.infra.streams.schema import table_from_rows
 
     rows = [
         {

@@ -16,14 +16,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from engines.groups import GroupBuffer, group_index_of, group_key
-from engines.staleness import StalenessGate
-from infra.streams.errors import CorruptShardError
-from infra.streams.names import ShardRef, shard_key_tag
-from infra.streams.reader import StreamReader
-from infra.streams.schema import table_from_rows
-from infra.streams.writer import StreamWriter
-from tasks.train import lost_groups
+from sluice.engines.rl.groups import GroupBuffer, group_index_of, group_key
+from sluice.engines.rl.staleness import StalenessGate
+from sluice.infra.streams.errors import CorruptShardError
+from sluice.infra.streams.names import ShardRef, shard_key_tag
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.streams.schema import table_from_rows
+from sluice.infra.streams.writer import StreamWriter
+from sluice.tasks.train import lost_groups
 
 
 def ref(name: str, groups: int = 1) -> ShardRef:

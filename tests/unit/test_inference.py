@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.kv_cache import decode_buckets
-from engines.inference.rng import counter_uniforms
-from engines.inference.types import (
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.kv_cache import decode_buckets
+from sluice.engines.inference.rng import counter_uniforms
+from sluice.engines.inference.types import (
     GenerationOutput,
     GenerationRequest,
     SamplingParams,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from engines.evaluation import reward_by_size
-from engines.samples import gradient_sources
+from sluice.engines.rl.evaluation import reward_by_size
+from sluice.engines.rl.samples import gradient_sources
 
 
 def test_gradient_sources_tell_mixed_groups_from_all_wrong_and_all_right_ones():
@@ -47,7 +47,7 @@ def test_rows_without_a_size_get_no_size_split():
 
 
 def test_every_new_metric_name_is_one_mlflow_accepts(tmp_path, tracking_uri):
-    from infra.tracking import get_metric_history, log_metrics, start_or_resume_run
+    from sluice.infra.tracking import get_metric_history, log_metrics, start_or_resume_run
 
     uri = tracking_uri
     run = start_or_resume_run(uri, "names", "r", artifact_location=str(tmp_path / "a"))

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from infra.lease import LeaseHeld, LeaseLost, StorageLease
-from infra.storage import open_filesystem
+from sluice.infra.lease import LeaseHeld, LeaseLost, StorageLease
+from sluice.infra.storage import open_filesystem
 
 TTL = 1.5
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engines.batching import dynamic_micro_batches
-from engines.loss import decoupled_ppo_loss, make_policy_loss, merge_micro_batch_metrics
+from sluice.engines.rl.batching import dynamic_micro_batches
+from sluice.engines.rl.loss import decoupled_ppo_loss, make_policy_loss, merge_micro_batch_metrics
 
 # Three tokens shared by the hand-worked cases:
 #   proximal log-probs      p = [-1.0, -2.0, -0.5]

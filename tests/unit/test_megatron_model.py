@@ -1,6 +1,6 @@
 """Megatron-core GPTModel from a Hugging Face policy: exact weights in and out, same log-probs.
 
-Runs in this process as a world of one under gloo (``engines.megatron.cpu_shim``
+Runs in this process as a world of one under gloo (``sluice.engines.megatron.cpu_shim``
 patches what megatron-core needs to run without CUDA).
 """
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.batching import pack_sequences, register_packed_attention
-from engines.inference.weights import read_weight_files
-from engines.megatron import convert
-from engines.megatron import model as megatron_model
+from sluice.engines.inference.weights import read_weight_files
+from sluice.engines.megatron import convert
+from sluice.engines.megatron import model as megatron_model
+from sluice.engines.rl.batching import pack_sequences, register_packed_attention
 from tests.conftest import small_qwen2_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -132,8 +132,8 @@ def test_megatron_optimizer_and_schedule_train_like_torch_adamw(policy_dir: Path
     """Three optimizer steps of decoupled PPO over two packed micro-batches: Megatron's
     DDP, Adam, clipping and forward-backward schedule land on the weights torch's AdamW
     reaches from the same start (float32; the gap is float rounding of the two paths)."""
-    from engines.loss import decoupled_ppo_loss
-    from engines.megatron.optimizer import MegatronPolicyOptimizer
+    from sluice.engines.megatron.optimizer import MegatronPolicyOptimizer
+    from sluice.engines.rl.loss import decoupled_ppo_loss
 
     model, hf_config = megatron_model.load_hf_policy(policy_dir)
     hf = AutoModelForCausalLM.from_pretrained(policy_dir)
@@ -207,7 +207,7 @@ def test_megatron_optimizer_and_schedule_train_like_torch_adamw(policy_dir: Path
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shim only acts without CUDA")
 def test_the_cpu_shim_patches_torch_only_inside_its_block() -> None:
-    from engines.megatron import cpu_shim
+    from sluice.engines.megatron import cpu_shim
 
     def patched() -> tuple:
         return (

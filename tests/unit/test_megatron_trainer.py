@@ -11,13 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from engines.inference.weights import read_weight_files
-from engines.loss import make_policy_loss
-from engines.megatron.trainer import MegatronPolicyTrainer
-from engines.rollout_correction import make_rollout_correction
-from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.inference.weights import read_weight_files
+from sluice.engines.megatron.trainer import MegatronPolicyTrainer
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.rollout_correction import make_rollout_correction
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
-SHIPPED = Path(__file__).resolve().parents[2] / "engines" / "policies" / "longtail_sum-llama-0.9m"
+SHIPPED = (
+    Path(__file__).resolve().parents[2]
+    / "engines"
+    / "policy"
+    / "policies"
+    / "longtail_sum-llama-0.9m"
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -127,7 +133,7 @@ def test_bf16_trains_on_fp32_main_weights_like_fp32_and_resumes_exactly(tmp_path
     float32 torch backend moves its weights (the updates' cosine measured 0.976, their
     norms within 2%). The version is published in float32, which holds the bf16 weights
     and the float32 norms exactly, so it resumes exactly."""
-    from engines.megatron import convert
+    from sluice.engines.megatron import convert
 
     reference = _trainer(PolicyTrainer)
     trainer = _trainer(MegatronPolicyTrainer, SHIPPED, dtype=torch.bfloat16)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engines.metrics import effective_sample_size, mismatch_metrics
-from engines.rollout_correction import correct_behaviour_weights
+from sluice.engines.rl.metrics import effective_sample_size, mismatch_metrics
+from sluice.engines.rl.rollout_correction import correct_behaviour_weights
 
 LN2 = math.log(2.0)
 # Packed row: response 0 = [prompt token, t0, t1], response 1 = [t2].

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engines.model import (
+from sluice.engines.policy.model import (
     PolicyLoadError,
     build_char_tokenizer,
     build_tiny_policy,

@@ -1,5 +1,5 @@
 """Outages: which errors are one, how a service is probed, how long a supervisor waits,
-and what the run says when it stops (infra/outages.py, tasks/supervise.py)."""
+and what the run says when it stops (infra/outages.py, tasks/process/supervisor.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 from mlflow.exceptions import MlflowException
 from prefect.states import Failed
 
-from infra.checkpoints import CheckpointIncomplete
-from infra.outages import EXIT_OUTAGE, describe, outage_cause, probe_storage, probe_tracking
-from infra.registry import RegistryError
-from infra.streams.errors import StreamStorageError
-from tasks.role import DAMAGED_MARK, EXIT_DAMAGED, stop_on_lasting_failure
-from tasks.supervise import (
+from sluice.infra.checkpoints import CheckpointIncomplete
+from sluice.infra.outages import EXIT_OUTAGE, describe, outage_cause, probe_storage, probe_tracking
+from sluice.infra.registry import RegistryError
+from sluice.infra.streams.errors import StreamStorageError
+from sluice.tasks.process.supervisor import (
     RoleFailed,
     ServiceOutage,
     StopWithoutTraceback,
@@ -30,6 +29,7 @@ from tasks.supervise import (
     stop_roles,
     wait_for_services,
 )
+from sluice.tasks.role import DAMAGED_MARK, EXIT_DAMAGED, stop_on_lasting_failure
 
 
 def _raised(exc: BaseException, *wrappers: BaseException) -> BaseException:

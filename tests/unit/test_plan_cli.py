@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.planner.hardware import Efficiency
-from flows.cli import main
-from flows.plan_published import PUBLISHED, anchor_mean_tokens, simulated_sync, table_b
+from sluice.engines.planner.hardware import Efficiency
+from sluice.flows.cli import main
+from sluice.flows.planner.published import PUBLISHED, anchor_mean_tokens, simulated_sync, table_b
 
 
 def _config_args(root: Path) -> list[str]:
@@ -97,8 +97,8 @@ def test_the_published_table_has_a_row_per_result_and_says_what_it_assumed() -> 
 
 
 def test_validation_table_a_predicts_each_run_from_the_calibration_runs_only() -> None:
-    from engines.planner.calibrate import calibrate
-    from flows.plan_validation import CPU_RUNS, table_a
+    from sluice.engines.planner.calibrate import calibrate
+    from sluice.flows.planner.validation import CPU_RUNS, table_a
     from tests.unit.planner_runs import measured_run
 
     measured = {

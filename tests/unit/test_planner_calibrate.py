@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from engines.inference.profile import StepProfile
-from engines.planner.calibrate import (
+from sluice.engines.inference.profile import StepProfile
+from sluice.engines.planner.calibrate import (
     TrainStep,
     calibrate,
     fit_decode,
@@ -16,10 +16,17 @@ from engines.planner.calibrate import (
     fit_train,
     layout_of,
 )
-from engines.planner.costs import CostModel, Layout, Workload
-from engines.planner.hardware import GPUS, MODELS, Efficiency, gpu_costs, kv_slots, with_efficiency
-from engines.planner.search import Candidate, async_layouts, recommend
-from engines.planner.simulate import simulate
+from sluice.engines.planner.costs import CostModel, Layout, Workload
+from sluice.engines.planner.hardware import (
+    GPUS,
+    MODELS,
+    Efficiency,
+    gpu_costs,
+    kv_slots,
+    with_efficiency,
+)
+from sluice.engines.planner.search import Candidate, async_layouts, recommend
+from sluice.engines.planner.simulate import simulate
 from tests.unit.planner_runs import measured_profile, measured_run
 
 

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from engines.planner.costs import CostModel, Layout, Workload
-from engines.planner.draws import draw_block
-from engines.planner.simulate import simulate
+from sluice.engines.planner.costs import CostModel, Layout, Workload
+from sluice.engines.planner.draws import draw_block
+from sluice.engines.planner.simulate import simulate
 
 
 def costs(**overrides: float) -> CostModel:

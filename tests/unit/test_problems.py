@@ -6,11 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from engines.problems.base import REQUIRED_ROW_KEYS, Problem, split_of
-from engines.problems.dataset import DatasetFormatError, DatasetProblem, load_dataset_rows
-from engines.problems.lengths import length_report, solution_lengths
-from engines.problems.longtail import LongTailSum
-from engines.problems.registry import get_problem
+from sluice.engines.env.problems.base import REQUIRED_ROW_KEYS, Problem, split_of
+from sluice.engines.env.problems.dataset import (
+    DatasetFormatError,
+    DatasetProblem,
+    load_dataset_rows,
+)
+from sluice.engines.env.problems.lengths import length_report, solution_lengths
+from sluice.engines.env.problems.longtail import LongTailSum
+from sluice.engines.env.problems.registry import get_problem
 
 
 def test_worked_solution_for_a_hand_made_prompt():
@@ -209,7 +213,7 @@ def test_warm_start_references_can_be_all_worked():
 def test_prompts_too_long_for_the_context_are_passed_over_the_same_way_every_time(
     tmp_path, tiny_dir, local_run_config
 ):
-    from tasks.problem import PromptSource, load_policy_tokenizer
+    from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
 
     rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "long " * 400, "answer": "x"}]
     path = _write_jsonl(tmp_path / "mixed.jsonl", [json.dumps(r) for r in rows])

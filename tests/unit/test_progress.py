@@ -6,7 +6,7 @@ Status documents are given as the train role writes them (`step`, `updated_at`, 
 
 from __future__ import annotations
 
-from flows.run_helpers import StepPace, format_duration, progress_line, seconds_left
+from sluice.flows.run_helpers import StepPace, format_duration, progress_line, seconds_left
 
 
 def step_status(step: int, updated_at: float) -> dict:

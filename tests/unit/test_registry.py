@@ -23,18 +23,18 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from infra.checkpoints import (  # noqa: E402
+from sluice.infra.checkpoints import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointIncomplete,
     save_checkpoint,
     verify_checkpoint,
 )
-from infra.registry import (  # noqa: E402
+from sluice.infra.registry import (  # noqa: E402
     CheckpointRegistry,
     PolicyVersionConflict,
     RegistryError,
 )
-from infra.tracking import (  # noqa: E402
+from sluice.infra.tracking import (  # noqa: E402
     TrackingError,
     TrackingUnavailable,
     end_run,
@@ -329,7 +329,7 @@ def test_log_metrics_splits_batches_over_mlflow_limits(tracking_uri):
 def test_log_metrics_from_another_process_lands_in_the_same_run(tracking_uri):
     run_id = start_or_resume_run(tracking_uri, "exp-metrics", f"p-{uuid.uuid4().hex[:6]}")
     code = (
-        "from infra.tracking import log_metrics;"
+        "from sluice.infra.tracking import log_metrics;"
         f"log_metrics({tracking_uri!r}, {run_id!r}, {{'trainer.loss': 1.25}}, step=9)"
     )
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(REPO_ROOT)}
@@ -366,7 +366,7 @@ def test_log_config_flattens_params_and_stores_the_resolved_yaml(tracking_uri, t
 
 
 def test_flatten_config_accepts_the_run_config_model():
-    from infra.config import RunConfig
+    from sluice.infra.config import RunConfig
 
     flat = flatten_config(RunConfig())
     assert flat["staleness.max_staleness"] == "4"

@@ -14,11 +14,11 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from infra.checkpoints import save_checkpoint  # noqa: E402
-from infra.config import RunConfig  # noqa: E402
-from infra.tracking import get_client, log_metrics, start_or_resume_run  # noqa: E402
-from tasks.common import run_registry  # noqa: E402
-from tasks.report import (  # noqa: E402
+from sluice.infra.checkpoints import save_checkpoint  # noqa: E402
+from sluice.infra.config import RunConfig  # noqa: E402
+from sluice.infra.tracking import get_client, log_metrics, start_or_resume_run  # noqa: E402
+from sluice.tasks.run.paths import run_registry  # noqa: E402
+from sluice.tasks.run.report import (  # noqa: E402
     REWARD_CURVE_ARTIFACT,
     log_reward_curves,
     rewards_by_time,

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import CONFIG_DIR, ConfigError, load_config
+from sluice.infra.config import CONFIG_DIR, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def config_dir(tmp_path, monkeypatch):
-    import flows.reproduce
+    import sluice.flows.reproduce
 
-    monkeypatch.setattr(flows.reproduce, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(sluice.flows.reproduce, "CONFIG_DIR", tmp_path)
     return tmp_path
 
 
@@ -24,8 +24,8 @@ def write_bands(directory: Path, bands: dict) -> None:
 
 
 def summary_keys() -> set[str]:
-    """Result keys that tasks/report.py:summarise writes (`result["key"]` or `{"key": ...}`)."""
-    tree = ast.parse((REPO / "tasks" / "report.py").read_text())
+    """Result keys that tasks/run/report.py:summarise writes (`result["key"]` or `{"key": ...}`)."""
+    tree = ast.parse((REPO / "tasks" / "run" / "report.py").read_text())
     [summarise] = [
         n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "summarise"
     ]
@@ -40,7 +40,7 @@ def summary_keys() -> set[str]:
 
 
 def test_a_well_formed_band_file_loads(config_dir):
-    from flows.reproduce import load_reference
+    from sluice.flows.reproduce import load_reference
 
     write_bands(config_dir, {"held_out_reward_final": [0.2, 0.6], "policy_versions": [21, 21]})
     assert load_reference("pinned") == {
@@ -53,7 +53,7 @@ def test_a_well_formed_band_file_loads(config_dir):
     "band", [[0.6, 0.2], [0.1], [0.1, 0.2, 0.3], 0.5, "0.1-0.2", ["a", "b"], [True, 1]]
 )
 def test_a_bad_band_is_one_config_error_naming_the_metric(config_dir, band):
-    from flows.reproduce import load_reference
+    from sluice.flows.reproduce import load_reference
 
     write_bands(config_dir, {"held_out_reward_start": [0.0, 1.0], "held_out_reward_final": band})
     with pytest.raises(
@@ -63,7 +63,7 @@ def test_a_bad_band_is_one_config_error_naming_the_metric(config_dir, band):
 
 
 def test_a_band_file_without_bands_or_not_json_is_one_config_error(config_dir):
-    from flows.reproduce import load_reference
+    from sluice.flows.reproduce import load_reference
 
     (config_dir / "pinned.reference.json").write_text('{"measured": {}}')
     with pytest.raises(ConfigError, match='needs a non-empty "bands" mapping'):
@@ -74,14 +74,14 @@ def test_a_band_file_without_bands_or_not_json_is_one_config_error(config_dir):
 
 
 def test_a_missing_band_file_is_a_config_error_naming_the_path(config_dir):
-    from flows.reproduce import load_reference
+    from sluice.flows.reproduce import load_reference
 
     with pytest.raises(ConfigError, match="no reference band for 'absent'"):
         load_reference("absent")
 
 
 def test_compare_flags_values_outside_or_missing_and_keeps_edges_inside():
-    from flows.reproduce import compare
+    from sluice.flows.reproduce import compare
 
     bands = {"a": [0.2, 0.4], "b": [0.2, 0.4], "c": [0.2, 0.4], "d": [0.2, 0.4]}
     result = {"a": 0.3, "b": 0.41, "c": 0.4}  # d never reported
@@ -97,7 +97,7 @@ def test_shipped_reproduce_config_validates_and_is_small():
 
 
 def test_shipped_band_file_loads_and_covers_what_was_measured():
-    from flows.reproduce import compare, load_reference
+    from sluice.flows.reproduce import compare, load_reference
 
     bands = load_reference("reproduce")
     assert set(bands) <= summary_keys(), "a band names a metric the run summary never reports"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from tasks.common import RetryLogOnce
+from sluice.tasks.run.logs import RetryLogOnce
 
 
 def test_retries_after_the_first_are_counted_not_logged(caplog, monkeypatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr("tasks.common.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sluice.tasks.run.logs.time.monotonic", lambda: clock[0])
     logger = logging.getLogger("test.urllib3.connectionpool")
     logger.addFilter(RetryLogOnce(quiet_s=60))
     with caplog.at_level(logging.WARNING, logger=logger.name):

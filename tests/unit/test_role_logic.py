@@ -22,10 +22,10 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from engines.advantages import make_advantage_fn
-from engines.evaluation import heldout_metrics
-from engines.groups import group_key, reissue_plan, resume_gate
-from engines.samples import (
+from sluice.engines.rl.advantages import make_advantage_fn
+from sluice.engines.rl.evaluation import heldout_metrics
+from sluice.engines.rl.groups import group_key, reissue_plan, resume_gate
+from sluice.engines.rl.samples import (
     batch_table,
     group_rows,
     row_from_columns,
@@ -33,13 +33,13 @@ from engines.samples import (
     score_table,
     staleness_stats,
 )
-from infra.config import RunConfig
-from infra.registry import CommittedVersion
-from infra.streams.reader import StreamReader
-from infra.streams.schema import table_from_rows
-from infra.streams.writer import StreamWriter
-from tasks import role as role_module
-from tasks.role import Role, StopRequested
+from sluice.infra.config import RunConfig
+from sluice.infra.registry import CommittedVersion
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.streams.schema import table_from_rows
+from sluice.infra.streams.writer import StreamWriter
+from sluice.tasks import role as role_module
+from sluice.tasks.role import Role, StopRequested
 
 
 @pytest.fixture
@@ -216,7 +216,7 @@ def test_a_generated_group_becomes_one_row_per_response_keyed_by_its_issue_numbe
 
 
 def test_rollout_stats_count_responses_that_span_a_weight_update():
-    from tasks.rollout import RolloutStats
+    from sluice.tasks.rollout import RolloutStats
 
     stats = RolloutStats()
     stats.record_group(
@@ -256,7 +256,7 @@ def test_scoring_fills_the_reward_column_in_row_order_from_the_decoded_responses
 
 
 def test_the_built_in_verifier_scores_inline_without_a_worker_pool():
-    from tasks.reward import VerifierPool
+    from sluice.tasks.reward import VerifierPool
 
     pool = VerifierPool("builtin", workers=1, timeout_s=1.0, correct=1.0, incorrect=-1.0)
     row = {"prompt_id": "p", "prompt": "3+4=", "answer": "7", "task": "longtail_sum"}
@@ -300,7 +300,7 @@ def test_staleness_counts_versions_behind_the_weights_being_updated():
 
 
 def _checkpoint(tmp_path: Path, config: RunConfig, policy_version: int, consumed: list[str]) -> str:
-    from infra.checkpoints import save_checkpoint
+    from sluice.infra.checkpoints import save_checkpoint
 
     weights = tmp_path / f"weights-{policy_version}"
     weights.mkdir()
@@ -313,7 +313,7 @@ def _checkpoint(tmp_path: Path, config: RunConfig, policy_version: int, consumed
 def test_a_restarted_trainer_repairs_a_lagging_alias_and_acks_what_that_version_consumed(
     config, tmp_path, monkeypatch
 ):
-    from tasks.train import TrainRole
+    from sluice.tasks.train import TrainRole
 
     writer = StreamWriter(config.storage.url, "run", "scored", writer_id="reward")
     shards = [
@@ -345,7 +345,7 @@ class Prompts:
 
 
 def test_a_sync_step_asks_its_b_groups_g_times_each_with_seeded_samples(config):
-    from tasks.sync import sample_seed, step_requests
+    from sluice.tasks.sync import sample_seed, step_requests
 
     config.trainer.prompts_per_batch, config.rollout.group_size, config.seed = 2, 3, 7
     prompts, requests = step_requests(config, Prompts(), step=4)
@@ -395,7 +395,7 @@ def test_held_out_metrics_split_sampled_from_greedy_responses():
 
 
 def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(config):
-    from tasks.evaluate import eval_requests, eval_seed
+    from sluice.tasks.evaluate import eval_requests, eval_seed
 
     config.evaluation.samples, config.seed = 2, 3
     requests = eval_requests(config, [[1], [2]], temperature=0.7, with_greedy=True)
@@ -406,7 +406,7 @@ def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(co
 
 
 def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_behind(config):
-    from tasks.evaluate import choose_target, should_evaluate
+    from sluice.tasks.evaluate import choose_target, should_evaluate
 
     config.trainer.total_steps, config.evaluation.every = 10, 4
     assert [v for v in range(12) if should_evaluate(v, config)] == [0, 4, 8, 10, 11]
@@ -421,10 +421,10 @@ def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_be
 def test_evaluation_passes_over_a_version_whose_weights_were_deleted_and_counts_it(
     config, tmp_path, tiny_dir
 ):
-    from infra.checkpoints import save_checkpoint
-    from infra.tracking import get_metric_history, start_or_resume_run
-    from tasks.common import read_json, run_paths
-    from tasks.evaluate import EvaluateRole
+    from sluice.infra.checkpoints import save_checkpoint
+    from sluice.infra.tracking import get_metric_history, start_or_resume_run
+    from sluice.tasks.evaluate import EvaluateRole
+    from sluice.tasks.run.paths import read_json, run_paths
 
     config.trainer.total_steps, config.evaluation.every = 2, 1
     config.evaluation.num_prompts, config.evaluation.greedy = 2, False
@@ -447,7 +447,8 @@ def test_evaluation_passes_over_a_version_whose_weights_were_deleted_and_counts_
 
 
 def test_a_signal_is_seen_without_reading_storage_but_the_done_marker_is_not(config):
-    from tasks.common import RunControl, run_paths
+    from sluice.tasks.run.control import RunControl
+    from sluice.tasks.run.paths import run_paths
 
     control = RunControl(config, run_paths(config, "run"))
     control.mark_done("trained")

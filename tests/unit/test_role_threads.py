@@ -2,8 +2,8 @@
 
 import os
 
-from infra.config import load_config
-from tasks.common import role_threads
+from sluice.infra.config import load_config
+from sluice.tasks.run.threads import role_threads
 
 
 def test_side_by_side_roles_split_the_cores_and_never_get_zero(monkeypatch):

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engines.loss import decoupled_ppo_loss
-from engines.rollout_correction import (
+from sluice.engines.rl.loss import decoupled_ppo_loss
+from sluice.engines.rl.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     correct_behaviour_weights,
     make_rollout_correction,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.run_helpers import RunIdTaken, claim_new_run, new_run_id
-from tasks.common import read_json, run_paths
+from sluice.flows.run_helpers import RunIdTaken, claim_new_run, new_run_id
+from sluice.tasks.run.paths import read_json, run_paths
 
 
 def test_two_runs_of_one_name_started_together_get_two_ids(local_run_config, tmp_path) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, load_config
-from tasks.server_launch import server_mounts, server_specs
+from sluice.infra.config import ConfigError, load_config
+from sluice.tasks.process.servers import server_mounts, server_specs
 
 
 def _config(tmp_path: Path, *sets: str):
@@ -59,7 +59,7 @@ def test_sluice_servers_run_on_cpu_with_the_run_directories_mounted_read_only(tm
     (spec,) = server_specs(config, [31005], tmp_path / "work" / "m", weight_version=0)
     assert spec.image == "sluice:local"
     command = spec.command()
-    assert command[:3] == ["python", "-m", "infra.serving.server"]
+    assert command[:3] == ["python", "-m", "sluice.infra.serving.server"]
     flags = dict(zip(command[3::2], command[4::2], strict=False))
     assert flags["--device"] == "cpu" and flags["--num-threads"] == "3"
     options = spec.run_options("r2", 0)
@@ -102,7 +102,7 @@ def test_launcher_settings_that_cannot_work_are_refused(tmp_path, sets, message)
 
 
 def test_the_rollout_role_names_a_missing_server_document(tmp_path) -> None:
-    from tasks.inference_server import launched_server_urls, write_launched_servers
+    from sluice.tasks.process.inference_server import launched_server_urls, write_launched_servers
 
     config = _config(tmp_path, "servers.launch=docker")
     with pytest.raises(RuntimeError, match="the `train` flow launches the servers"):

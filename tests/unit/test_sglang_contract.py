@@ -24,10 +24,10 @@ import httpx
 import pytest
 from transformers import LlamaConfig
 
-from engines.inference.engine import InferenceEngine
-from infra.serving.client import InferenceClient
-from infra.serving.protocol import SGLANG_SAMPLING_KEYS
-from infra.serving.server import create_app
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.infra.serving.client import InferenceClient
+from sluice.infra.serving.protocol import SGLANG_SAMPLING_KEYS
+from sluice.infra.serving.server import create_app
 
 
 def _sglang_root() -> Path | None:
@@ -286,7 +286,7 @@ def test_every_turn_of_an_episode_is_a_plain_sglang_generate_request(
     """Multi-turn episodes need nothing SGLang lacks: each turn is a /generate request
     on token ids (the conversation so far, never re-tokenized text) that also stops at
     the call's closing token."""
-    from engines.episodes import EpisodeSpec, ToolResult, run_group
+    from sluice.engines.env.episodes import EpisodeSpec, ToolResult, run_group
 
     close, observation = 9, [5, 6]
     spec = EpisodeSpec("", str(close), close, max_turns=4, max_total_tokens=40)

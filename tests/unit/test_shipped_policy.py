@@ -2,8 +2,8 @@
 
 import pytest
 
-from engines import shipped_policy
-from engines.shipped_policy import (
+from sluice.engines.policy import shipped_policy
+from sluice.engines.policy.shipped_policy import (
     BUILD,
     PREFIX_CHECK_SHA256,
     PREFIX_CHECK_STEPS,
@@ -12,8 +12,8 @@ from engines.shipped_policy import (
     file_digests,
     verify,
 )
-from infra.config import load_config
-from tasks.prepare import initial_policy_dir, shipped_policy_applies
+from sluice.infra.config import load_config
+from sluice.tasks.run.prepare import initial_policy_dir, shipped_policy_applies
 
 
 def test_shipped_policy_files_match_their_recorded_sha256():
@@ -35,7 +35,7 @@ def test_a_changed_byte_in_the_shipped_policy_is_caught(tmp_path):
 
 @pytest.mark.slow
 def test_the_first_steps_of_a_rebuild_reproduce_the_recorded_digest(tmp_path):
-    # The whole rebuild takes ~10 minutes (python -m engines.shipped_policy build); its
+    # The whole rebuild takes ~10 minutes (python -m sluice.engines.policy.shipped_policy build); its
     # first steps exercise the same seeds, data order, threads and optimiser.
     out = build(tmp_path / "prefix", steps=PREFIX_CHECK_STEPS, num_eval_prompts=4, progress=str)
     assert file_digests(out)["model.safetensors"] == PREFIX_CHECK_SHA256

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from engines.staleness import StalenessGate
+from sluice.engines.rl.staleness import StalenessGate
 
 
 def test_admission_follows_floor_n_over_b_by_hand():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.profile import StepProfile, bucket_of
-from engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.profile import StepProfile, bucket_of
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -21,8 +21,8 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from infra import storage
-from infra.storage import (
+from sluice.infra import storage
+from sluice.infra.storage import (
     TEMP_PREFIX,
     exists,
     list_names,

@@ -21,17 +21,17 @@ import pyarrow as pa
 import pytest
 from fsspec.core import url_to_fs
 
-from infra.storage import TEMP_PREFIX
-from infra.streams.errors import (
+from sluice.infra.storage import TEMP_PREFIX
+from sluice.infra.streams.errors import (
     CorruptShardError,
     SchemaError,
     StreamConfigError,
     StreamError,
     StreamStorageError,
 )
-from infra.streams.names import ShardRef
-from infra.streams.reader import StreamReader
-from infra.streams.schema import (
+from sluice.infra.streams.names import ShardRef
+from sluice.infra.streams.reader import StreamReader
+from sluice.infra.streams.schema import (
     SCHEMA_VERSION,
     SCHEMA_VERSION_KEY,
     STREAM_KEY,
@@ -41,7 +41,7 @@ from infra.streams.schema import (
     table_from_rows,
     validate_table,
 )
-from infra.streams.writer import StreamWriter
+from sluice.infra.streams.writer import StreamWriter
 
 RUN = "run-1"
 STREAM = "rollouts"
@@ -454,7 +454,7 @@ def test_read_next_takes_whole_shards_up_to_max_groups(stream_root: tuple[str, O
 def test_corrupt_and_foreign_shards_are_quarantined_and_stream_goes_on(
     stream_root: tuple[str, Options], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="infra.streams"):
+    with caplog.at_level(logging.ERROR, logger="sluice.infra.streams"):
         scenario_corrupt_and_foreign_shards_are_quarantined(*stream_root)
     assert sum("quarantined corrupt shard" in r.getMessage() for r in caplog.records) == 7
 
@@ -462,7 +462,7 @@ def test_corrupt_and_foreign_shards_are_quarantined_and_stream_goes_on(
 def test_a_shard_deleted_after_listing_is_lost_not_fatal(
     stream_root: tuple[str, Options], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="infra.streams"):
+    with caplog.at_level(logging.ERROR, logger="sluice.infra.streams"):
         scenario_a_shard_deleted_after_listing_is_lost_not_fatal(*stream_root)
     assert sum("deleted outside Sluice" in r.getMessage() for r in caplog.records) == 1
 
@@ -477,7 +477,7 @@ def test_a_corrupt_shard_that_cannot_be_moved_is_still_skipped(
     put_raw(root, None, name, b"not arrow")
     (tmp_path / RUN / STREAM / "_quarantine").write_text("a file where the folder goes")
     reader = StreamReader(root, RUN, STREAM, "trainer")
-    with caplog.at_level(logging.ERROR, logger="infra.streams"):
+    with caplog.at_level(logging.ERROR, logger="sluice.infra.streams"):
         batch = reader.read_next()
     assert batch.refs == [good]
     (corrupt,) = batch.quarantined

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flows.study_stats import (
+from sluice.flows.bench.study_stats import (
     MISMATCH_MODES,
     STALENESS_ETAS,
     MeanStd,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.time_to_target import (
+from sluice.flows.bench.time_to_target import (
     Trial,
     curve_table,
     newest_at,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engines.model import build_tiny_policy
-from engines.problems.base import split_of
-from engines.problems.registry import get_problem
-from engines.problems.tool_arith import ToolArith
-from engines.tools import calculator
-from engines.warmstart import IGNORE_INDEX, encode_reference, encode_segments
-from tasks.problem import load_policy_tokenizer
+from sluice.engines.env.problems.base import split_of
+from sluice.engines.env.problems.registry import get_problem
+from sluice.engines.env.problems.tool_arith import ToolArith
+from sluice.engines.env.tools import calculator
+from sluice.engines.policy.model import build_tiny_policy
+from sluice.engines.policy.warmstart import IGNORE_INDEX, encode_reference, encode_segments
+from sluice.tasks.prompts import load_policy_tokenizer
 
 
 def test_rows_are_products_with_an_addend_and_the_calculator_answers_them() -> None:

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from engines.batching import pack_sequences
-from engines.inference.engine import InferenceEngine
-from engines.inference.types import GenerationRequest, SamplingParams
-from engines.loss import make_policy_loss
-from engines.rollout_correction import make_rollout_correction
-from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.rl.batching import pack_sequences
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.rollout_correction import make_rollout_correction
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
 
 def make_trainer(model_dir, **settings):

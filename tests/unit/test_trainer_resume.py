@@ -5,8 +5,8 @@ minibatch order, the optimizer moments and the step count all come back, so a re
 import numpy as np
 import pytest
 
-from engines.loss import make_policy_loss
-from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from engines.problems.longtail import LongTailSum
-from engines.sandbox import run_python
-from engines.verifiers import (
+from sluice.engines.env.problems.longtail import LongTailSum
+from sluice.engines.env.sandbox import run_python
+from sluice.engines.env.verifiers import (
     VerifierSpecError,
     call_with_deadline,
     extract_code,
@@ -73,7 +73,7 @@ def test_math_verifier_works_off_the_main_thread():
 
 @pytest.mark.parametrize("in_thread", [False, True])
 def test_deadline_guard_stops_slow_work_in_and_off_the_main_thread(in_thread):
-    from engines.verifiers import VerifierTimeout
+    from sluice.engines.env.verifiers import VerifierTimeout
 
     outcome = []
 
@@ -115,7 +115,7 @@ def test_plugin_results_map_through_the_scale(tmp_path, monkeypatch):
     ("spec", "message"),
     [
         ("no_such_module_xyz:verify", "cannot import module 'no_such_module_xyz'"),
-        ("engines.problems:no_such_function", "has no attribute 'no_such_function'"),
+        ("sluice.engines.env.problems:no_such_function", "has no attribute 'no_such_function'"),
         ("mathh", "unknown verifier 'mathh'"),
         ("", "verifier spec must be"),
     ],

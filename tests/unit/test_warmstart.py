@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from engines.model import load_policy_dir
-from engines.problems.longtail import LongTailSum
-from engines.warm_checks import evaluate_greedy
-from engines.warmstart import (
+from sluice.engines.env.problems.longtail import LongTailSum
+from sluice.engines.policy.model import load_policy_dir
+from sluice.engines.policy.warm_checks import evaluate_greedy
+from sluice.engines.policy.warmstart import (
     IGNORE_INDEX,
     WARM_START_MARKER,
     WeightAverage,

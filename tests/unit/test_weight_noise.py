@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from engines.inference.engine import InferenceEngine
-from engines.inference.types import GenerationRequest, SamplingParams
-from engines.inference.weights import perturb_weights
-from engines.loss import make_policy_loss
-from engines.model import load_policy_dir
-from engines.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.inference.engine import InferenceEngine
+from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.inference.weights import perturb_weights
+from sluice.engines.policy.model import load_policy_dir
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 
 TOKENS = torch.tensor([[1, 10, 11, 12, 20, 21, 30, 31, 5]])
 

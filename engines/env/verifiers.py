@@ -1,0 +1,350 @@
+"""Reward verifiers: `fn(row, response_text) -> float`, one call per sampled response.
+
+A verifier turns a response into a scalar reward and must never take the reward
+worker down: garbage, empty, unicode or adversarial responses score the configured
+incorrect reward (and are logged), never raise. Only *configuration* mistakes raise,
+when the verifier is built (`load_verifier`), with one clear message.
+
+Built-in verifiers:
+- ``builtin``: the built-in task's rule (final answer after the last '=');
+- ``math``:    `math_verify` parse + verify (boxed answers, fractions vs decimals,
+               LaTeX vs plain), under a wall-clock guard because symbolic
+               comparison can hang on adversarial input;
+- ``code``:    runs the response's Python against the row's tests in the sandbox.
+
+Rewards default to correct=1.0 / incorrect=0.0; AReaL uses +5 / -5 (`RewardScale`).
+A plugin ``package.module:function`` returns its own float (a bool is mapped through
+the scale); its exceptions and non-finite values score the incorrect reward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sluice.engines.env.problems.base import Problem, PromptRow
+from sluice.engines.env.problems.longtail import LongTailSum
+from sluice.engines.env.problems.registry import BUILTIN_PROBLEMS
+
+if TYPE_CHECKING:
+    from sluice.engines.env.sandbox import SandboxResult
+
+log = logging.getLogger(__name__)
+
+Verifier = Callable[[PromptRow, str], float]
+"""fn(row, response_text) -> reward. Never raises on any response text."""
+
+_MAX_LOGGED_CHARS = 120
+
+
+class VerifierTimeout(Exception):
+    """A verification ran past its wall-clock budget."""
+
+
+@dataclass(frozen=True)
+class RewardScale:
+    """Rewards for verified-correct and everything-else responses."""
+
+    correct: float = 1.0
+    """Reward of a verified-correct response."""
+    incorrect: float = 0.0
+    """Reward of a wrong, unparsable, empty or timed-out response."""
+
+    def __call__(self, ok: bool) -> float:
+        return float(self.correct if ok else self.incorrect)
+
+
+def _preview(text: Any) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= _MAX_LOGGED_CHARS else shown[:_MAX_LOGGED_CHARS] + "..."
+
+
+# ------------------------------------------------------------------ wall-clock guard
+
+
+def call_with_deadline(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """fn() or VerifierTimeout after `timeout_s` seconds of wall clock.
+
+    In the main thread a SIGALRM timer interrupts the work itself. Elsewhere (thread
+    pools) the work runs in a daemon thread that is abandoned on timeout: it cannot be
+    killed, but the caller gets its answer on time. Reward workers that run untrusted
+    symbolic input at scale should be processes, so the main-thread path applies.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise VerifierTimeout(f"verification exceeded {timeout_s}s")
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        started = time.monotonic()
+        pending, _ = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if pending:
+                # Someone else's alarm was ticking: give it back what is left of it.
+                left = pending - (time.monotonic() - started)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=work, name="sluice-verifier", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise VerifierTimeout(f"verification exceeded {timeout_s}s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+# ------------------------------------------------------------------ built-in task
+
+
+def builtin_verifier(scale: RewardScale = RewardScale()) -> Verifier:
+    """The built-in task's checker, chosen by the row's `task` (default longtail_sum)."""
+    checkers: dict[str, Problem] = {name: cls() for name, cls in BUILTIN_PROBLEMS.items()}
+    default = LongTailSum()
+
+    def verify_builtin(row: PromptRow, response_text: str) -> float:
+        try:
+            if not isinstance(response_text, str):
+                log.warning(
+                    "builtin verifier: response is %s, not text", type(response_text).__name__
+                )
+                return scale.incorrect
+            problem = checkers.get(str(row.get("task", "")), default)
+            return scale(problem.check_answer(row, response_text))
+        except Exception as exc:  # a verifier must never take the reward worker down
+            log.warning("builtin verifier failed on %s: %s", _preview(response_text), exc)
+            return scale.incorrect
+
+    return verify_builtin
+
+
+# ------------------------------------------------------------------ math
+
+
+def _math_gold_text(answer: str) -> str:
+    # math_verify finds LaTeX inside $...$ or \boxed{}; a bare gold answer such as
+    # "\frac{1}{2}" is wrapped so it parses as LaTeX, and "0.5" still parses as a number.
+    stripped = answer.strip()
+    if "\\" in stripped and "$" not in stripped and "boxed" not in stripped:
+        return f"${stripped}$"
+    return stripped
+
+
+class _DropDisabledTimeoutNotice(logging.Filter):
+    # math_verify warns once that its own timeout is off; ours (call_with_deadline) is on.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+def math_verifier(scale: RewardScale = RewardScale(), timeout_s: float = 5.0) -> Verifier:
+    """Equivalence of the response's final answer and the row's `answer` via math_verify."""
+    from math_verify import parse, verify  # lazy: sympy import costs ~0.5 s
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropDisabledTimeoutNotice) for f in target.filters):
+            target.addFilter(_DropDisabledTimeoutNotice())
+
+    def check(row: PromptRow, response_text: str) -> bool:
+        # Our guard replaces math_verify's own alarm-based timeouts (which refuse to run
+        # off the main thread), so both are switched off here.
+        gold = parse(_math_gold_text(str(row["answer"])), parsing_timeout=None)
+        if not gold:
+            log.warning("math verifier: cannot parse reference answer %s", _preview(row["answer"]))
+            return False
+        predicted = parse(response_text, parsing_timeout=None)
+        if not predicted:
+            return False
+        return bool(verify(gold, predicted, timeout_seconds=None))
+
+    def verify_math(row: PromptRow, response_text: str) -> float:
+        if not isinstance(response_text, str) or not response_text.strip():
+            return scale.incorrect
+        if "answer" not in row:
+            log.warning("math verifier: row %s has no 'answer'", row.get("prompt_id"))
+            return scale.incorrect
+        try:
+            return scale(bool(call_with_deadline(lambda: check(row, response_text), timeout_s)))
+        except VerifierTimeout:
+            log.warning(
+                "math verifier timed out after %ss on %s", timeout_s, _preview(response_text)
+            )
+        except Exception as exc:
+            log.warning("math verifier failed on %s: %s", _preview(response_text), exc)
+        return scale.incorrect
+
+    return verify_math
+
+
+# ------------------------------------------------------------------ code
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(response_text: str) -> str:
+    """The last fenced code block of a response, or the whole response if none."""
+    blocks = _FENCE.findall(response_text)
+    return blocks[-1] if blocks else response_text
+
+
+def code_verifier(
+    scale: RewardScale = RewardScale(),
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    run_python: Callable[..., SandboxResult] | None = None,
+) -> Verifier:
+    """Run the response's code against the row's tests in the sandbox.
+
+    Row formats: `tests` as Python source (asserts) or a list of such snippets, run
+    after the code; or `tests` as {"inputs": [...], "outputs": [...]} stdin/stdout
+    pairs, every pair must match (trailing whitespace ignored). The budget
+    `timeout_s` applies per sandbox run. `run_python`: the sandbox
+    (``sluice.engines.env.sandbox.run_python``, the process sandbox, unless another is given).
+    """
+    from sluice.engines.env.sandbox import run_python as run_in_process
+
+    run: Callable[..., SandboxResult] = run_python or run_in_process
+
+    def passes(row: PromptRow, code: str) -> bool:
+        tests = row.get("tests")
+        if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
+            tests = "\n".join(tests)
+        if isinstance(tests, str):
+            return run(code, tests, timeout_s=timeout_s, memory_mb=memory_mb).passed
+        if (
+            isinstance(tests, dict)
+            and isinstance(tests.get("inputs"), list)
+            and isinstance(tests.get("outputs"), list)
+        ):
+            pairs = list(zip(tests["inputs"], tests["outputs"], strict=False))
+            if not pairs or len(tests["inputs"]) != len(tests["outputs"]):
+                log.warning(
+                    "code verifier: row %s has unequal or empty inputs/outputs",
+                    row.get("prompt_id"),
+                )
+                return False
+            for given, expected in pairs:
+                result = run(code, "", timeout_s=timeout_s, memory_mb=memory_mb, stdin=str(given))
+                if not result.passed or result.stdout.rstrip() != str(expected).rstrip():
+                    return False
+            return True
+        log.warning("code verifier: row %s has no usable 'tests'", row.get("prompt_id"))
+        return False
+
+    def verify_code(row: PromptRow, response_text: str) -> float:
+        if not isinstance(response_text, str) or not response_text.strip():
+            return scale.incorrect
+        try:
+            return scale(passes(row, extract_code(response_text)))
+        except Exception as exc:
+            log.warning("code verifier failed on %s: %s", _preview(response_text), exc)
+            return scale.incorrect
+
+    return verify_code
+
+
+# ------------------------------------------------------------------ plugins and loading
+
+
+class VerifierSpecError(ValueError):
+    """A verifier spec that does not name a usable verifier."""
+
+
+def _wrap_plugin(fn: Callable[..., Any], spec: str, scale: RewardScale) -> Verifier:
+    def verify_plugin(row: PromptRow, response_text: str) -> float:
+        try:
+            value = fn(row, response_text)
+        except Exception as exc:
+            log.warning("verifier %s raised on %s: %s", spec, _preview(response_text), exc)
+            return scale.incorrect
+        if isinstance(value, bool):
+            return scale(value)
+        try:
+            reward = float(value)
+        except (TypeError, ValueError):
+            log.warning("verifier %s returned %s, not a number", spec, _preview(value))
+            return scale.incorrect
+        if not math.isfinite(reward):
+            log.warning("verifier %s returned non-finite %s", spec, reward)
+            return scale.incorrect
+        return reward
+
+    verify_plugin.__name__ = f"plugin:{spec}"
+    return verify_plugin
+
+
+def load_verifier(
+    spec: str,
+    *,
+    correct_reward: float = 1.0,
+    incorrect_reward: float = 0.0,
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    run_python: Callable[..., SandboxResult] | None = None,
+) -> Verifier:
+    """A verifier from `spec`: "builtin", "math", "code" or "package.module:function".
+
+    `run_python` is the sandbox the `code` verifier runs code in (default: the process
+    sandbox).
+
+    Raises VerifierSpecError naming the spec when the module cannot be imported, the
+    attribute is missing, or it is not callable.
+    """
+    if not math.isfinite(correct_reward) or not math.isfinite(incorrect_reward):
+        raise VerifierSpecError("correct_reward and incorrect_reward must be finite numbers")
+    scale = RewardScale(correct=correct_reward, incorrect=incorrect_reward)
+    if not isinstance(spec, str) or not spec.strip():
+        raise VerifierSpecError(
+            "verifier spec must be 'builtin', 'math', 'code' or 'package.module:function'"
+        )
+    spec = spec.strip()
+    if spec == "builtin":
+        return builtin_verifier(scale)
+    if spec == "math":
+        return math_verifier(scale, timeout_s=timeout_s)
+    if spec == "code":
+        return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb, run_python=run_python)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise VerifierSpecError(
+            f"unknown verifier '{spec}': use 'builtin', 'math', 'code' or an import path 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or the module's own import-time error
+        raise VerifierSpecError(
+            f"verifier '{spec}': cannot import module '{module_name}' ({exc})"
+        ) from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise VerifierSpecError(
+                f"verifier '{spec}': module '{module_name}' has no attribute '{attr}'"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise VerifierSpecError(
+            f"verifier '{spec}': '{attr}' is a {type(target).__name__}, not callable"
+        )
+    return _wrap_plugin(target, spec, scale)

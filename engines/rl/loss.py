@@ -1,0 +1,270 @@
+"""The policy loss of Sluice: decoupled PPO (AReaL eq. 3) as a pure function over named tensors.
+
+Three policies meet here (docs/design.md §1): π_behav produced the tokens and recorded
+``behaviour_logprobs``; π_prox is the trainer's weights just before this update,
+recomputed over the batch as ``proximal_logprobs``; π_θ is being optimised and gives
+``logprobs`` (with grad). Per valid response token t::
+
+    u_t = exp(logprobs_t - proximal_logprobs_t)            trust-region ratio
+    w_t = exp(proximal_logprobs_t - behaviour_logprobs_t)  behaviour weight, no grad
+    L   = - sum_t mask_t * w_t * min(u_t A_t, clip(u_t, 1 - eps_low, 1 + eps_high) A_t)
+          / num_global_tokens
+
+Tensor convention: every per-token input is a flat 1-D tensor over the tokens of a
+padding-free packed micro-batch (the layout :func:`sluice.engines.rl.batching.pack_sequences`
+produces), all of one shape. The loss is elementwise followed by one sum, so a
+``[B, T]`` layout works identically; only the rollout correction needs sequence
+boundaries, and it takes them explicitly.
+
+Departures from the paper, on purpose:
+
+- The denominator is ``num_global_tokens``, the number of valid tokens in the whole
+  global batch (counted before rollout correction), not per micro-batch: summing the
+  micro-batch losses then gives exactly the full-batch loss and gradient.
+- ``behaviour_weights`` may replace ``w_t`` (truncated or masked by
+  :mod:`sluice.engines.rl.rollout_correction`); masked tokens leave the numerator only.
+- Optional dual clip (Ye et al. 2020) caps the loss of negative-advantage tokens at
+  ``dual_clip_c * |A|`` so a huge ratio on a bad token cannot dominate the batch.
+
+Configs pick functions, never branches: :func:`make_policy_loss` binds the
+``trainer.loss`` section to a loss from :data:`POLICY_LOSSES`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+Tensor = torch.Tensor
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""Signature of a configured loss: ``fn(logprobs, proximal_logprobs, behaviour_logprobs,
+advantages, loss_mask, num_global_tokens, *, behaviour_weights=None) -> (loss, metrics)``."""
+
+
+def _check_same_shape(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
+    for name, tensor in others.items():
+        if tensor is not None and tensor.shape != reference.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but {reference_name} has "
+                f"{tuple(reference.shape)}; every per-token input must share one layout"
+            )
+
+
+def _masked_mean(values: Tensor, valid: Tensor, num_valid: Tensor) -> Tensor:
+    return torch.where(valid, values, 0.0).sum() / num_valid.clamp(min=1)
+
+
+def _masked_extreme(values: Tensor, valid: Tensor, largest: bool) -> Tensor:
+    fill = float("-inf") if largest else float("inf")
+    filled = torch.where(valid, values, fill)
+    extreme = filled.max() if largest else filled.min()
+    # No valid token: report 0 rather than ±inf, which would poison averaged logs.
+    return torch.where(valid.any(), extreme, torch.zeros_like(extreme))
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor | None,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    num_global_tokens: int | float | Tensor,
+    *,
+    eps_clip_low: float = 0.2,
+    eps_clip_high: float = 0.2,
+    dual_clip_c: float | None = None,
+    decoupled: bool = True,
+    behaviour_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO loss (AReaL eq. 3) of one micro-batch, normalised by the global token count.
+
+    Args:
+        logprobs: log π_θ of each token under the weights being optimised (carries grad).
+        proximal_logprobs: log π_prox of each token, recomputed by the trainer before this
+            update (no grad). May be None only when ``decoupled=False``.
+        behaviour_logprobs: log π_behav recorded by the inference engine when sampling.
+        advantages: advantage of each token (the sample's advantage broadcast over its
+            response tokens).
+        loss_mask: 1/True for response tokens that enter the loss, 0/False for prompt
+            tokens, padding and tokens rejected by rollout correction.
+        num_global_tokens: valid tokens in the whole global batch (all micro-batches),
+            counted from the mask *before* rollout correction. Must be positive.
+        eps_clip_low: the ratio is clipped below at ``1 - eps_clip_low``.
+        eps_clip_high: the ratio is clipped above at ``1 + eps_clip_high``
+            (clip-higher when larger than ``eps_clip_low``).
+        dual_clip_c: for negative advantages the per-token loss is capped at
+            ``dual_clip_c * |A|``; None disables it. Must exceed 1.
+        decoupled: True uses π_prox as the trust-region anchor with behaviour weight
+            π_prox/π_behav; False is standard PPO with π_old = π_behav (u = π_θ/π_behav,
+            w = 1), for which no proximal forward pass is needed.
+        behaviour_weights: precomputed w per token (from rollout correction), used instead
+            of exp(proximal - behaviour). Treated as constants. Only with ``decoupled=True``.
+
+    Returns:
+        ``(loss, metrics)``: a scalar loss to call ``backward()`` on, and detached scalar
+        tensors (no host sync) named ``loss/*``. Means in ``metrics`` are over this call's
+        valid tokens; combine micro-batches with :func:`merge_micro_batch_metrics`.
+
+    Raises:
+        ValueError: on mismatched shapes, a non-positive ``num_global_tokens``, or an
+            inconsistent combination of options.
+    """
+    if decoupled and proximal_logprobs is None:
+        raise ValueError(
+            "proximal_logprobs is None but decoupled=True needs π_prox; "
+            "pass the recomputed log-probs or set decoupled=False"
+        )
+    if not decoupled and behaviour_weights is not None:
+        raise ValueError(
+            "behaviour_weights were given with decoupled=False: standard PPO anchors the "
+            "ratio at π_behav, so its behaviour weight is 1 by construction"
+        )
+    _check_same_shape(
+        "logprobs",
+        logprobs,
+        proximal_logprobs=proximal_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        behaviour_weights=behaviour_weights,
+    )
+    if not 0.0 <= eps_clip_low <= 1.0:
+        raise ValueError(f"eps_clip_low must be in [0, 1], got {eps_clip_low}")
+    if eps_clip_high < 0.0:
+        raise ValueError(f"eps_clip_high must be >= 0, got {eps_clip_high}")
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
+    if isinstance(num_global_tokens, Tensor):
+        if num_global_tokens.numel() != 1:
+            raise ValueError("num_global_tokens must be a scalar")
+    elif num_global_tokens <= 0:
+        raise ValueError(
+            f"num_global_tokens must be positive, got {num_global_tokens}; "
+            "a global batch without response tokens has no loss"
+        )
+
+    dtype = logprobs.dtype
+    mask = loss_mask.to(dtype)
+    valid = mask > 0
+    num_valid = valid.sum()
+    behaviour = behaviour_logprobs.detach().to(dtype)
+
+    # Masked positions (prompts, padding) may hold arbitrary log-probs; zeroing their
+    # log-ratios keeps exp() finite, so 0 * inf can never turn the loss into NaN.
+    if decoupled:
+        assert proximal_logprobs is not None
+        anchor = proximal_logprobs.detach().to(dtype)
+        log_ratio = torch.where(valid, logprobs - anchor, 0.0)
+        if behaviour_weights is None:
+            weights = torch.exp(torch.where(valid, anchor - behaviour, 0.0))
+        else:
+            weights = behaviour_weights.detach().to(dtype)
+    else:
+        log_ratio = torch.where(valid, logprobs - behaviour, 0.0)
+        weights = torch.ones_like(logprobs)
+    ratio = torch.exp(log_ratio)
+    advantages = torch.where(valid, advantages.detach().to(dtype), 0.0)
+
+    unclipped_loss = -advantages * ratio
+    clipped_ratio = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
+    clipped_loss = -advantages * clipped_ratio
+    token_loss = torch.maximum(unclipped_loss, clipped_loss)
+    clip_active = clipped_loss > unclipped_loss
+    if dual_clip_c is not None:
+        dual_cap = -dual_clip_c * advantages
+        dual_active = (advantages < 0) & (token_loss > dual_cap)
+        token_loss = torch.where(dual_active, dual_cap, token_loss)
+    else:
+        dual_active = torch.zeros_like(valid)
+
+    weighted = torch.where(valid, mask * weights * token_loss, 0.0)
+    loss = weighted.sum() / num_global_tokens
+
+    with torch.no_grad():
+        low = (ratio < 1.0 - eps_clip_low) & (advantages < 0)
+        high = (ratio > 1.0 + eps_clip_high) & (advantages > 0)
+        # k3 estimator of KL(π_anchor ‖ π_θ) with r = π_θ / π_anchor: r - 1 - log r >= 0.
+        approx_kl = ratio - 1.0 - log_ratio
+        metrics = {
+            "loss/policy_loss": loss.detach(),
+            "loss/valid_tokens": num_valid.to(dtype),
+            "loss/clip_fraction": _masked_mean(clip_active.to(dtype), valid, num_valid),
+            "loss/clip_low_fraction": _masked_mean(low.to(dtype), valid, num_valid),
+            "loss/clip_high_fraction": _masked_mean(high.to(dtype), valid, num_valid),
+            "loss/dual_clip_fraction": _masked_mean(dual_active.to(dtype), valid, num_valid),
+            "loss/approx_kl": _masked_mean(approx_kl.detach(), valid, num_valid),
+            "loss/ratio_mean": _masked_mean(ratio.detach(), valid, num_valid),
+            "loss/ratio_max": _masked_extreme(ratio.detach(), valid, largest=True),
+            "loss/ratio_min": _masked_extreme(ratio.detach(), valid, largest=False),
+            "loss/behaviour_weight_mean": _masked_mean(weights, valid, num_valid),
+            "loss/behaviour_weight_max": _masked_extreme(weights, valid, largest=True),
+        }
+    return loss, metrics
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "decoupled_ppo": decoupled_ppo_loss,
+}
+"""Policy losses by config name; every entry takes the arguments of :func:`decoupled_ppo_loss`."""
+
+
+def make_policy_loss(
+    name: str = "decoupled_ppo",
+    *,
+    decoupled: bool = True,
+    eps_clip_low: float = 0.2,
+    eps_clip_high: float = 0.2,
+    dual_clip_c: float | None = None,
+) -> PolicyLossFn:
+    """Bind a loss config (the fields of ``trainer.loss``) to a loss function.
+
+    ``make_policy_loss(**config.trainer.loss.model_dump())`` gives a callable
+    ``fn(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask,
+    num_global_tokens, behaviour_weights=None)``; the trainer calls it without knowing
+    which algorithm it is.
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss '{name}'; known: {', '.join(sorted(POLICY_LOSSES))}")
+    if dual_clip_c is not None and dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
+    return functools.partial(
+        POLICY_LOSSES[name],
+        decoupled=decoupled,
+        eps_clip_low=eps_clip_low,
+        eps_clip_high=eps_clip_high,
+        dual_clip_c=dual_clip_c,
+    )
+
+
+_SUMMED_METRICS = ("loss/policy_loss", "loss/valid_tokens")
+
+
+def merge_micro_batch_metrics(per_micro_batch: Iterable[Mapping[str, Tensor]]) -> dict[str, float]:
+    """Combine the metrics of several micro-batches of one global batch into plain floats.
+
+    The loss and the token count add up (each micro-batch loss is already divided by the
+    global token count); ``*_max`` / ``*_min`` take the extreme; everything else is a
+    token-weighted mean using ``loss/valid_tokens``.
+    """
+    parts = [dict(m) for m in per_micro_batch]
+    if not parts:
+        raise ValueError("merge_micro_batch_metrics needs at least one micro-batch's metrics")
+    counts = [float(p["loss/valid_tokens"]) for p in parts]
+    total = sum(counts)
+    merged: dict[str, float] = {}
+    for key in parts[0]:
+        values = [float(p[key]) for p in parts]
+        if key in _SUMMED_METRICS:
+            merged[key] = sum(values)
+        elif key.endswith("_max"):
+            merged[key] = max(v for v, c in zip(values, counts, strict=True) if c > 0 or total == 0)
+        elif key.endswith("_min"):
+            merged[key] = min(v for v, c in zip(values, counts, strict=True) if c > 0 or total == 0)
+        else:
+            merged[key] = (
+                sum(v * c for v, c in zip(values, counts, strict=True)) / total if total else 0.0
+            )
+    return merged

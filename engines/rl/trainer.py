@@ -1,0 +1,493 @@
+"""The trainer step: π_prox recompute, then decoupled PPO over dynamic micro-batches.
+
+One call of :meth:`PolicyTrainer.train_step` is one policy version (AReaL §4):
+
+1. π_prox: one no-grad forward pass over the whole batch with the weights as they are
+   before this update, at the sampling temperature, so proximal and behaviour
+   log-probs are comparable token for token.
+2. Rollout correction of the behaviour weight π_prox/π_behav (sluice.engines.rl.rollout_correction)
+   and the mismatch metrics (sluice.engines.rl.metrics), once over the whole batch.
+3. PPO minibatches: each splits into dynamic micro-batches (AReaL Algorithm 1), packed
+   without padding; every micro-batch loss is divided by the minibatch's valid-token
+   count, so gradient accumulation equals the full-minibatch gradient exactly.
+
+The trainer never branches on an algorithm name: the loss and correction arrive as
+functions bound from config (`make_policy_loss`, `make_rollout_correction`).
+Departure: the full-vocabulary logits of a micro-batch are materialised, which is
+fine for small vocabularies; large-vocabulary models want a chunked log-softmax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sluice.engines.policy.model import load_policy_dir
+from sluice.engines.rl.batching import (
+    PackedBatch,
+    dynamic_micro_batches,
+    pack_sequences,
+    register_packed_attention,
+)
+from sluice.engines.rl.loss import PolicyLossFn, merge_micro_batch_metrics
+from sluice.engines.rl.metrics import mismatch_metrics
+from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
+micro-batch's token sum over the minibatch's token count."""
+TRAINER_STATE_FILE = "trainer_state.json"
+RNG_STATE_FILE = "trainer_rng.pt"
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """One scored response, as the trainer needs it."""
+
+    prompt_token_ids: Sequence[int] | np.ndarray
+    """Prompt tokens (context only, never in the loss)."""
+    response_token_ids: Sequence[int] | np.ndarray
+    """Sampled response tokens."""
+    behaviour_logprobs: Sequence[float] | np.ndarray
+    """log π_behav of each response token, recorded by the inference engine."""
+    advantage: float
+    """The sample's advantage, broadcast to every response token."""
+    loss_mask: Sequence[int] | np.ndarray | None = None
+    """Per response token, 1 = trained and 0 = context only (a tool's observation in a
+    multi-turn episode: in the sequence the policy reads, never in the loss, the
+    importance ratio or the token count). None: every response token is trained."""
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Optimisation settings of the trainer step (bound from `trainer.*` config)."""
+
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    adam_eps: float = 1e-5
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    temperature: float = 1.0
+    """Sampling temperature: log-probs are log_softmax(logits / temperature)."""
+    ppo_minibatches: int = 1
+    """Optimizer steps per train_step."""
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one packed micro-batch (prompt + response tokens)."""
+    min_micro_batches: int = 1
+    """Lower bound on micro-batches per minibatch."""
+    seed: int = 0
+    """Seeds the minibatch split."""
+
+
+@dataclass
+class _Batch:
+    """Samples of a step, flattened once."""
+
+    sequences: list[torch.Tensor]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    behaviour_logprobs: torch.Tensor  # flat over response tokens, in sample order
+    advantages: torch.Tensor  # flat over response tokens
+    loss_mask: torch.Tensor  # flat over response tokens: which are trained
+    response_offsets: list[int] = field(default_factory=list)  # start of each sample's tokens
+
+    def __post_init__(self) -> None:
+        self.response_offsets = [0, *np.cumsum(self.response_lens).tolist()]
+
+    def tokens_of(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.response_offsets[index] : self.response_offsets[index + 1]]
+
+
+class PolicyTrainer:
+    """Holds the policy being optimised and its AdamW state."""
+
+    backend = "torch"
+    """``trainer.backend`` value of this class; recorded with every saved version."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: TrainerSettings,
+        loss_fn: PolicyLossFn,
+        correction_fn: RolloutCorrectionFn | None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        decoupled: bool = True,
+    ):
+        self.settings = settings
+        self.loss_fn = loss_fn
+        self.correction_fn = correction_fn
+        self.decoupled = decoupled
+        self.device = torch.device(device)
+        self.model, self.tokenizer = load_policy_dir(model_dir, device=device, dtype=dtype)
+        # Varlen attention over packed rows: Σ l² instead of T², no cross-sequence leakage.
+        self.model.set_attn_implementation(register_packed_attention())
+        self.model.train()
+        self.optimizer = self._make_optimizer()
+        self.steps_done = 0
+        self._generator = torch.Generator().manual_seed(settings.seed)
+        state_path = Path(model_dir) / TRAINER_STATE_FILE
+        saved_state = json.loads(state_path.read_text()) if state_path.exists() else {}
+        optimizer_path = Path(model_dir) / OPTIMIZER_FILE
+        if optimizer_path.exists():
+            # Versions written before backends were recorded are the torch backend's.
+            written_by = saved_state.get("backend", "torch")
+            if written_by != self.backend:
+                raise ValueError(
+                    f"{str(model_dir)!r} holds the {written_by} backend's optimizer state; "
+                    f"resume it with trainer.backend={written_by}"
+                )
+            self._load_optimizer_state(optimizer_path)
+        self.steps_done = int(saved_state.get("steps_done", 0))
+        rng_path = Path(model_dir) / RNG_STATE_FILE
+        if rng_path.exists():
+            # Re-seeding on load would replay step 1's minibatch split after every restart
+            # (or Prefect retry), so a resumed seeded run would leave the uninterrupted one.
+            self._generator.set_state(torch.load(rng_path))
+
+    # ------------------------------------------------ what another backend replaces
+
+    def _make_optimizer(self) -> Any:
+        return torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.settings.lr,
+            betas=self.settings.adam_betas,
+            eps=self.settings.adam_eps,
+            weight_decay=self.settings.weight_decay,
+        )
+
+    def _load_optimizer_state(self, path: Path) -> None:
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.device))
+
+    def _logits(self, packed: PackedBatch) -> torch.Tensor:
+        """Logits ``[total_tokens, vocab]`` of a packed row under the current weights."""
+        out = self.model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        )
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    def _set_training(self, training: bool) -> None:
+        self.model.train(training)
+
+    def _map_logits(
+        self, micro_batches: list[PackedBatch], read: Callable[[int, torch.Tensor], Any]
+    ) -> list[Any]:
+        """``[read(i, logits of micro-batch i)]`` without gradients, for every micro-batch.
+
+        Another backend may compute the logits elsewhere (the last pipeline stage) and
+        split the micro-batches across data-parallel replicas; every caller still gets
+        the whole list, so ``read`` must return plain, picklable values.
+        """
+        return [read(index, self._logits(packed)) for index, packed in enumerate(micro_batches)]
+
+    def _optimizer_step(
+        self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
+    ) -> tuple[float, list[dict[str, torch.Tensor]]]:
+        """One optimizer step over a minibatch's micro-batches: ``(pre-clip grad norm,
+        every micro-batch's loss metrics)``.
+
+        ``loss_of(i, logits)`` is micro-batch i's loss: its token sum over the minibatch's
+        token count (``sum(token_counts)``), so the accumulated gradient is the whole
+        minibatch's.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for index, packed in enumerate(micro_batches):
+            loss, metrics = loss_of(index, self._logits(packed))
+            loss.backward()
+            parts.append(metrics)
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        )
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        return grad_norm, parts
+
+    # ------------------------------------------------------------ log-probs
+
+    def _packed_logprobs(
+        self,
+        batch: _Batch,
+        indices: Sequence[int],
+        packed: PackedBatch,
+        entropy_out: list[torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """log π(response tokens) of the samples in `indices`, flat and in that order.
+
+        With `entropy_out`, also appends the entropy of π at each response position
+        (how undecided the policy still is where it samples). ``logits``: the packed
+        row's, if already computed.
+        """
+        if logits is None:
+            logits = self._logits(packed)
+        logits = logits.float() / self.settings.temperature
+        # The token at position p is predicted by the logits at p - 1.
+        starts = packed.cu_seqlens[:-1].to(torch.int64)
+        positions = torch.cat(
+            [
+                torch.arange(batch.prompt_lens[i], batch.prompt_lens[i] + batch.response_lens[i])
+                + int(starts[k])
+                for k, i in enumerate(indices)
+            ]
+        ).to(logits.device)
+        targets = packed.input_ids[0, positions]
+        log_norm = torch.logsumexp(logits[positions - 1], dim=-1)
+        if entropy_out is not None:
+            log_p = logits[positions - 1] - log_norm[:, None]
+            entropy_out.append(-(log_p.exp() * log_p).sum(-1))
+        return logits[positions - 1].gather(-1, targets[:, None]).squeeze(-1) - log_norm
+
+    def _micro_batches(self, batch: _Batch, indices: Sequence[int]) -> list[list[int]]:
+        lengths = [batch.prompt_lens[i] + batch.response_lens[i] for i in indices]
+        plan = dynamic_micro_batches(
+            lengths, self.settings.max_tokens_per_micro_batch, self.settings.min_micro_batches
+        )
+        return [[indices[j] for j in mb] for mb in plan]
+
+    def _gather(self, batch: _Batch, flat: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        return torch.cat([batch.tokens_of(i, flat) for i in indices])
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: _Batch, entropy_out: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """log π of every response token under the current weights (flat, sample order)."""
+        self._set_training(False)
+        plan = self._micro_batches(batch, list(range(len(batch.sequences))))
+        packed = [pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan]
+
+        def read(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            entropy: list[torch.Tensor] | None = [] if entropy_out is not None else None
+            values = self._packed_logprobs(batch, plan[index], packed[index], entropy, logits)
+            return values.cpu(), entropy[0].cpu() if entropy else None
+
+        result = torch.empty(batch.response_offsets[-1], dtype=torch.float32)
+        for mb, (values, entropy) in zip(plan, self._map_logits(packed, read), strict=True):
+            if entropy_out is not None:
+                entropy_out.append(entropy)
+            offset = 0
+            for i in mb:
+                n = batch.response_lens[i]
+                result[batch.response_offsets[i] : batch.response_offsets[i] + n] = values[
+                    offset : offset + n
+                ]
+                offset += n
+        self._set_training(True)
+        return result
+
+    # ------------------------------------------------------------ the step
+
+    @staticmethod
+    def make_batch(samples: Sequence[TrainingSample]) -> _Batch:
+        kept = [s for s in samples if len(s.response_token_ids) > 0]
+        if not kept:
+            raise ValueError("train_step got no sample with response tokens")
+        sequences, prompt_lens, response_lens, behaviour, advantages = [], [], [], [], []
+        masks = []
+        for s in kept:
+            prompt = torch.as_tensor(np.asarray(s.prompt_token_ids), dtype=torch.int64)
+            response = torch.as_tensor(np.asarray(s.response_token_ids), dtype=torch.int64)
+            logprobs = torch.as_tensor(np.asarray(s.behaviour_logprobs), dtype=torch.float32)
+            if logprobs.numel() != response.numel():
+                raise ValueError(
+                    f"a sample has {response.numel()} response tokens but {logprobs.numel()} behaviour log-probs"
+                )
+            if prompt.numel() == 0:
+                raise ValueError(
+                    "a sample has an empty prompt; the first response token needs context"
+                )
+            sequences.append(torch.cat([prompt, response]))
+            prompt_lens.append(prompt.numel())
+            response_lens.append(response.numel())
+            behaviour.append(logprobs)
+            advantages.append(torch.full((response.numel(),), float(s.advantage)))
+            if s.loss_mask is None:
+                masks.append(torch.ones(response.numel(), dtype=torch.bool))
+            else:
+                mask = torch.as_tensor(np.asarray(s.loss_mask), dtype=torch.bool)
+                if mask.numel() != response.numel():
+                    raise ValueError(
+                        f"a sample has {response.numel()} response tokens but a loss mask "
+                        f"of {mask.numel()}"
+                    )
+                masks.append(mask)
+        return _Batch(
+            sequences,
+            prompt_lens,
+            response_lens,
+            torch.cat(behaviour),
+            torch.cat(advantages),
+            torch.cat(masks),
+        )
+
+    def _minibatch_loss(
+        self,
+        batch: _Batch,
+        plan: list[list[int]],
+        packed: list[PackedBatch],
+        num_global_tokens: int,
+        proximal: torch.Tensor,
+        weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+    ) -> MicroBatchLossFn:
+        """The loss (and metrics) of micro-batch i of a minibatch given its logits."""
+
+        def loss_of(
+            index: int, logits: torch.Tensor
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            mb = plan[index]
+            mb_weights = (
+                self._gather(batch, weights, mb).to(self.device) if weights is not None else None
+            )
+            loss, parts = self.loss_fn(
+                self._packed_logprobs(batch, mb, packed[index], logits=logits),
+                self._gather(batch, proximal, mb).to(self.device),
+                self._gather(batch, batch.behaviour_logprobs, mb).to(self.device),
+                self._gather(batch, batch.advantages, mb).to(self.device),
+                self._gather(batch, loss_mask, mb).to(self.device),
+                num_global_tokens,
+                behaviour_weights=mb_weights,
+            )
+            return loss, parts
+
+        return loss_of
+
+    def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
+        """One policy update over `samples`; returns plain-float metrics."""
+        started = time.perf_counter()
+        batch = self.make_batch(samples)
+        n = len(batch.sequences)
+        response_cu = torch.tensor(batch.response_offsets, dtype=torch.int64)
+        loss_mask = batch.loss_mask
+
+        entropies: list[torch.Tensor] = []
+        proximal = self.compute_logprobs(batch, entropies)
+        prox_time = time.perf_counter() - started
+        weights: torch.Tensor | None = None
+        corrected_mask = loss_mask
+        if self.decoupled and self.correction_fn is not None:
+            correction = self.correction_fn(
+                proximal, batch.behaviour_logprobs, loss_mask, cu_seqlens=response_cu
+            )
+            weights, corrected_mask = correction.behaviour_weights, correction.loss_mask
+        metrics = mismatch_metrics(
+            proximal,
+            batch.behaviour_logprobs,
+            loss_mask,
+            cu_seqlens=response_cu,
+            behaviour_weights=weights,
+            corrected_loss_mask=corrected_mask,
+        )
+
+        order = torch.randperm(n, generator=self._generator).tolist()
+        minibatches = [
+            order[k :: self.settings.ppo_minibatches] for k in range(self.settings.ppo_minibatches)
+        ]
+        loss_parts: list[dict[str, torch.Tensor]] = []
+        grad_norms = []
+        micro_batch_count = 0
+        for minibatch in minibatches:
+            if not minibatch:
+                continue
+            plan = self._micro_batches(batch, minibatch)
+            packed = [
+                pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan
+            ]
+            # Trained tokens only: a tool's observation tokens are not in the mean.
+            token_counts = [int(self._gather(batch, loss_mask, mb).sum()) for mb in plan]
+            micro_batch_count += len(plan)
+            loss_of = self._minibatch_loss(
+                batch,
+                plan,
+                packed,
+                sum(token_counts),
+                proximal,
+                weights,
+                corrected_mask,
+            )
+            grad_norm, parts = self._optimizer_step(packed, token_counts, loss_of)
+            grad_norms.append(grad_norm)
+            loss_parts.extend(parts)
+        self.steps_done += 1
+        metrics.update(merge_micro_batch_metrics(loss_parts))
+        # Each minibatch's loss sums to its own token mean: report the mean over minibatches.
+        metrics["loss/policy_loss"] = metrics.get("loss/policy_loss", 0.0) / max(
+            1, len(minibatches)
+        )
+        elapsed = time.perf_counter() - started
+        trained_tokens = int(sum(len(s) for s in batch.sequences))
+        metrics.update(
+            {
+                "policy/entropy": float(torch.cat(entropies).mean()),
+                "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+                "train/grad_norm_max": float(np.max(grad_norms)) if grad_norms else 0.0,
+                "train/samples": float(n),
+                "train/response_tokens": float(batch.response_offsets[-1]),
+                "train/trained_tokens": float(trained_tokens),
+                "train/micro_batches": float(micro_batch_count),
+                "train/step_time_s": elapsed,
+                "train/proximal_time_s": prox_time,
+                "train/trained_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
+            }
+        )
+        return metrics
+
+    def close(self) -> None:
+        """Release what the trainer holds beyond this process (nothing, for this backend)."""
+
+    def response_logprobs(self, samples: Sequence[TrainingSample]) -> list[np.ndarray]:
+        """log π of each sample's response tokens under the current weights (no grad)."""
+        batch = self.make_batch(samples)
+        flat = self.compute_logprobs(batch)
+        return [batch.tokens_of(i, flat).numpy() for i in range(len(batch.sequences))]
+
+    def save(
+        self,
+        out_dir: str | Path,
+        *,
+        include_optimizer: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write an HF model directory (+ optimizer and minibatch-RNG state) that inference engines load."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if not self._save_weights_and_optimizer(out, include_optimizer):
+            return out
+        self.tokenizer.save_pretrained(out)
+        if include_optimizer:
+            torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
+        state = {**self._saved_state(), **(extra or {})}
+        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+        return out
+
+    def _saved_state(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` records about this trainer."""
+        return {"steps_done": self.steps_done, "backend": self.backend}
+
+    def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
+        """Write the HF weights (and optimizer state); False if another process writes the rest."""
+        self.model.save_pretrained(out, safe_serialization=True)
+        if include_optimizer:
+            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        return True

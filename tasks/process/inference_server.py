@@ -1,0 +1,134 @@
+"""The built-in inference server as a child process of the rollout role.
+
+Kept apart from tasks/rollout.py, whose imports (MLflow, Arrow, a tokenizer) take
+seconds: the rollout role starts the server first (`start_early`) so the server's own
+start-up overlaps everything else the roles do before the first prompt is generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from sluice.infra.config import RunConfig
+from sluice.tasks.process.launcher import start_forked_or_fresh
+from sluice.tasks.run.paths import read_json, run_paths, write_json
+from sluice.tasks.run.threads import role_threads
+
+log = logging.getLogger("sluice.rollout")
+
+START_FILE = "start.json"
+"""Control-dir document the flow writes once the run's starting version is committed."""
+SERVERS_FILE = "servers.json"
+"""Control-dir document naming the servers the run launched (`servers.launch: docker`)."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedServer:
+    """The built-in SGLang-compatible server, as a child process of the rollout role."""
+
+    def __init__(self, config: RunConfig, model_dir: Path, weight_version: int, log_dir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_dir = Path(model_dir)
+        self.weight_version = weight_version
+        log_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--weight-version",
+            str(weight_version),
+            "--max-batch-size",
+            str(config.rollout.max_batch_size),
+            "--seed",
+            str(config.seed),
+            "--device",
+            config.device,
+            "--dtype",
+            config.rollout.dtype,
+            "--num-threads",
+            str(role_threads(config, "rollout")),
+            "--weight-noise-std",
+            str(config.rollout.weight_noise_std),
+            "--exit-with-parent",
+        ]
+        from sluice.infra.serving.server import main as serve_main
+
+        self.process = start_forked_or_fresh(
+            serve_main,
+            argv,
+            log_dir / "inference-server.log",
+            [sys.executable, "-m", "sluice.infra.serving.server", *argv],
+        )
+
+    def stop(self) -> None:
+        self.process.stop(grace_s=10)
+
+
+def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str) -> None:
+    """Tell the rollout role which committed version the run starts from."""
+    write_json(
+        config,
+        f"{run_paths(config, run_id).control}/{START_FILE}",
+        {"policy_version": policy_version, "checkpoint_uri": checkpoint_uri},
+    )
+
+
+def write_launched_servers(config: RunConfig, run_id: str, urls: list[str]) -> None:
+    """Tell the rollout role where the run's launched servers will answer."""
+    write_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}", {"urls": urls})
+
+
+def launched_server_urls(config: RunConfig, run_id: str) -> list[str]:
+    """The URLs of the servers the flow launched for this run (`servers.launch: docker`)."""
+    document = read_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}")
+    if not document or not document.get("urls"):
+        raise RuntimeError(
+            f"servers.launch=docker but the run has no {SERVERS_FILE}: "
+            "the `train` flow launches the servers (the sync baseline does not)"
+        )
+    return [str(url) for url in document["urls"]]
+
+
+def local_checkpoint_dir(uri: str) -> Path | None:
+    """The directory of a checkpoint on the local filesystem, None for remote storage."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://") :])
+    if "://" not in uri:
+        return Path(uri)
+    return None
+
+
+def start_early(config: RunConfig, run_id: str) -> EmbeddedServer | None:
+    """Start the embedded server on the run's starting version before anything else loads.
+
+    Only for the embedded server and a checkpoint already on local disk; otherwise
+    (external servers, remote storage, no start document) the rollout role starts it
+    the usual way once it has fetched the weights. The role checks the version
+    against the registry and updates the server if they differ.
+    """
+    if config.rollout.server_urls or config.servers.launch != "embedded":
+        return None
+    start: dict[str, Any] | None = read_json(
+        config, f"{run_paths(config, run_id).control}/{START_FILE}"
+    )
+    if not start:
+        return None
+    model_dir = local_checkpoint_dir(str(start.get("checkpoint_uri", "")))
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return None
+    log_dir = Path(config.workdir) / "runs" / run_id / "logs"
+    log.info("starting the inference server on policy version %s", start["policy_version"])
+    return EmbeddedServer(config, model_dir, int(start["policy_version"]), log_dir)

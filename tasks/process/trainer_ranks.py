@@ -1,0 +1,122 @@
+"""How a training process builds its trainer, and the ranks the train role starts on its
+machine when the Megatron backend is split over several processes.
+
+The role process is rank 0 (``sluice.engines.megatron.lockstep.LockstepTrainer`` leads). Ranks
+1..N-1 are fresh interpreters (spawned: the role process has threads and torch state
+that a fork would copy) that build the same trainer from the same config and
+checkpoint directory, then follow rank 0's calls. Each rank dies with the role
+(``PR_SET_PDEATHSIG``), so a killed role never leaves ranks waiting on a broadcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import socket
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+
+from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.rollout_correction import make_rollout_correction
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
+from sluice.infra.config import RunConfig
+
+PR_SET_PDEATHSIG = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProcess]:
+    """Start ranks 1..N-1 and make this process rank 0 of a group of N (``trainer.world_size``)."""
+    world = config.trainer.world_size
+    port = _free_port()
+    # This process is the role and the group's rank 0; its children read the same.
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    )
+    os.environ["RANK"] = "0"
+    context = multiprocessing.get_context("spawn")
+    ranks = []
+    for rank in range(1, world):
+        process = context.Process(
+            target=follow_main,
+            args=(config.model_dump_json(), str(model_dir), rank, torch.get_num_threads()),
+            name=f"sluice-train-rank{rank}",
+            daemon=True,
+        )
+        process.start()
+        ranks.append(process)
+    return ranks
+
+
+def follow_main(config_json: str, model_dir: str, rank: int, threads: int) -> None:
+    """A following rank: build the trainer, repeat rank 0's calls, exit when it closes."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the daemon flag applies
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.environ["RANK"] = str(rank)
+    from sluice.engines.megatron.lockstep import follow
+
+    torch.set_num_threads(threads)
+    config = RunConfig.model_validate_json(config_json)
+    follow(build_rank_trainer(config, Path(model_dir)))
+
+
+def join(ranks: list[BaseProcess], timeout_s: float = 60.0) -> None:
+    """Wait for released ranks to exit (killed if they do not)."""
+    for process in ranks:
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+
+
+def trainer_settings(config: RunConfig) -> TrainerSettings:
+    t = config.trainer
+    return TrainerSettings(
+        lr=t.lr,
+        adam_betas=t.adam_betas,
+        adam_eps=t.adam_eps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        temperature=config.rollout.temperature,
+        ppo_minibatches=t.ppo_minibatches,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        min_micro_batches=t.min_micro_batches,
+        seed=config.seed,
+    )
+
+
+def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
+    """This process's trainer (one rank's, when the trainer is split over processes)."""
+    t = config.trainer
+    correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
+    device = resolve_device(config.device)
+    args = (
+        model_dir,
+        trainer_settings(config),
+        make_policy_loss(**t.loss.model_dump()),
+        correction,
+    )
+    if t.backend == "megatron":
+        from sluice.engines.megatron.trainer import MegatronPolicyTrainer
+
+        return MegatronPolicyTrainer(
+            *args,
+            device=device,
+            decoupled=t.loss.decoupled,
+            tensor_parallel=t.tensor_parallel,
+            pipeline_parallel=t.pipeline_parallel,
+            data_parallel=t.data_parallel,
+            distributed_optimizer=t.distributed_optimizer,
+            dtype=getattr(torch, t.dtype),
+        )
+    return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled)

@@ -1,0 +1,97 @@
+"""Prompts for a run: the problem from config, one deterministic prompt per group index.
+
+Group n of a run always asks prompt n (seeded by the run seed and n), so a group that
+was in flight when a process died is re-issued with exactly the same prompt, and two
+runs with the same seed see the same prompts in the same order (η=0 vs η=4 compare
+like with like).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from sluice.engines.env.problems.base import Problem
+from sluice.engines.env.problems.dataset import DatasetProblem
+from sluice.engines.env.problems.registry import get_problem
+from sluice.infra.config import RunConfig
+
+
+def build_problem(config: RunConfig) -> Problem:
+    if config.problem.dataset:
+        return DatasetProblem.from_files(config.problem.dataset, config.evaluation.dataset)
+    return get_problem(config.problem.name)
+
+
+def load_policy_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a policy checkpoint, padding with EOS when it has no pad."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+MAX_DRAWS = 64
+"""Prompts drawn for one group before a run whose prompts never fit gives up."""
+
+
+def policy_context(model_dir: str | Path) -> int:
+    """Prompt plus response tokens a policy's inference engine holds per sequence: the
+    model's positions, at most 2048 (the embedded engine's default)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings") or 2048), 2048)
+
+
+class PromptSource:
+    """The run's prompt sequence and its tokenization.
+
+    With `max_prompt_tokens` set, a prompt that would leave the engine no room to
+    generate is passed over for the next draw of the same group (seeded by the group and
+    the draw, so a re-issued group gets the same prompt again); `skipped_too_long`
+    counts them.
+    """
+
+    def __init__(self, config: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None):
+        self.config = config
+        self.problem = build_problem(config)
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens: int | None = None
+        self.skipped_too_long = 0
+
+    def set_tokenizer(
+        self, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int | None = None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def encode_prompt(self, row: dict[str, Any]) -> list[int]:
+        if self.tokenizer is None:
+            raise RuntimeError("PromptSource needs a tokenizer before encoding prompts")
+        ids = self.tokenizer(self.problem.format_prompt(row))["input_ids"]
+        return [int(i) for i in ids]
+
+    def train_row(self, index: int, draw: int = 0) -> dict[str, Any]:
+        seed = [self.config.seed, index] if draw == 0 else [self.config.seed, index, draw]
+        return self.problem.sample_prompts(1, np.random.default_rng(seed), "train")[0]
+
+    def train_prompt(self, index: int) -> tuple[dict[str, Any], list[int]]:
+        for draw in range(MAX_DRAWS):
+            row = self.train_row(index, draw)
+            ids = self.encode_prompt(row)
+            if self.max_prompt_tokens is None or len(ids) <= self.max_prompt_tokens:
+                return row, ids
+            self.skipped_too_long += 1
+        raise ValueError(
+            f"group {index}: {MAX_DRAWS} prompts in a row are longer than "
+            f"{self.max_prompt_tokens} tokens, the most the policy's context leaves room "
+            "for; the dataset's prompts do not fit this model"
+        )
+
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """The fixed held-out prompts every evaluation of the run uses."""
+        rng = np.random.default_rng([self.config.seed, 2**31 - 1])
+        return self.problem.sample_prompts(self.config.evaluation.num_prompts, rng, "test")

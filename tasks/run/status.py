@@ -1,0 +1,47 @@
+"""Each role's small status document, which the flow reads to draw progress."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from sluice.infra.config import RunConfig
+from sluice.tasks.run.paths import ROLES, RunPaths, read_json, write_json
+
+log = logging.getLogger("sluice")
+
+
+class StatusReporter:
+    """Writes a role's small status document at most every `interval_s` seconds."""
+
+    def __init__(self, config: RunConfig, paths: RunPaths, role: str, interval_s: float = 1.0):
+        self.config = config
+        self.url = paths.status(role)
+        self.role = role
+        self.interval_s = interval_s
+        self.started_at = time.time()
+        self._last = 0.0
+        self.fields: dict[str, Any] = {"role": role, "pid": os.getpid(), "state": "starting"}
+
+    def update(self, force: bool = False, **fields: Any) -> None:
+        self.fields.update(fields)
+        now = time.monotonic()
+        if force or now - self._last >= self.interval_s:
+            self._last = now
+            self.fields["updated_at"] = time.time()
+            self.fields["uptime_s"] = time.time() - self.started_at
+            try:
+                write_json(self.config, self.url, self.fields)
+            except OSError as err:  # status is best effort; the data plane is not
+                log.warning("could not write status %s: %s", self.url, err)
+
+
+def read_statuses(config: RunConfig, paths: RunPaths) -> dict[str, dict[str, Any]]:
+    out = {}
+    for role in ROLES:
+        status = read_json(config, paths.status(role))
+        if status is not None:
+            out[role] = status
+    return out

@@ -1,0 +1,243 @@
+"""The rollout role's tool runner: every call gets an answer in time, whatever the tool does.
+
+`ToolBox` routes a call's text to its tool (`sluice.engines.env.tools.route_call`) and turns any
+outcome into a `ToolResult` the episode can show the policy: the output, an error, or
+a timeout. Nothing a tool does reaches the role as an exception.
+
+- ``calculator`` runs inline: bounded arithmetic, microseconds.
+- ``python`` runs the call in the reward sandbox (its own process, killed at its
+  deadline), from a thread so the event loop keeps serving other episodes.
+- a user tool ``module:function`` runs in a pool of spawned worker processes that
+  imported it once; a call past ``timeout_s`` is answered as a timeout and the pool,
+  whose worker may be stuck for good, is replaced. A path that does not import, or
+  names no function, stops the role at start in one line (`ToolSpecError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import importlib
+import logging
+import math
+import multiprocessing
+from typing import Any
+
+from sluice.engines.env.episodes import EpisodeSpec, ToolResult
+from sluice.engines.env.tools import (
+    ToolError,
+    ToolFn,
+    ToolTimeout,
+    calculator,
+    python_tool,
+    route_call,
+)
+from sluice.infra.config import RunConfig
+
+log = logging.getLogger("sluice.tools")
+
+BUILTIN_TOOLS = ("calculator", "python")
+WORKER_START_TIMEOUT_S = 120.0
+
+
+class ToolSpecError(ValueError):
+    """A configured tool that cannot be loaded."""
+
+
+def load_user_tool(spec: str) -> ToolFn:
+    """The function `module:function` names; ToolSpecError naming what is wrong."""
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ToolSpecError(f"tool {spec!r}: expected calculator, python or 'module:function'")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ToolSpecError(f"tool {spec!r} cannot be loaded: {err}") from None
+    if not callable(function):
+        raise ToolSpecError(f"tool {spec!r} is not callable")
+    return function  # type: ignore[no-any-return]
+
+
+_worker_tools: dict[str, ToolFn] = {}
+
+
+def _init_worker(specs: list[str]) -> None:
+    for spec in specs:
+        _worker_tools[spec] = load_user_tool(spec)
+
+
+def _worker_ready() -> bool:
+    return True
+
+
+def _run_in_worker(spec: str, text: str) -> str:
+    return str(_worker_tools[spec](text))
+
+
+def tool_name(spec: str) -> str:
+    """What a call names a tool by: the builtin's name, or a user tool's function name."""
+    return spec if spec in BUILTIN_TOOLS else spec.rpartition(":")[2]
+
+
+class ToolBox:
+    """The tools of one run, callable as ``await toolbox(call_text)``."""
+
+    def __init__(self, specs: list[str], timeout_s: float, workers: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.workers = workers
+        self.calls = self.errors = self.timeouts = 0
+        self._user_specs = [s for s in specs if s not in BUILTIN_TOOLS]
+        for spec in self._user_specs:
+            load_user_tool(spec)  # fail at start, in one line, not on the first call
+        self._routes: dict[str, str] = {tool_name(spec): spec for spec in specs}
+        if len(self._routes) != len(specs):
+            raise ToolSpecError(f"two tools share a name in {specs}")
+        self._python = python_tool(timeout_s=timeout_s) if "python" in specs else None
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def _executor(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self._user_specs,),
+            )
+            # Spawning and importing take seconds no call's deadline should pay for.
+            ready = [self._pool.submit(_worker_ready) for _ in range(self.workers)]
+            cf.wait(ready, timeout=WORKER_START_TIMEOUT_S)
+        return self._pool
+
+    async def __call__(self, call: str) -> ToolResult:
+        self.calls += 1
+        try:
+            name, text = route_call(call, self._routes.keys())
+            output = await self._run(self._routes[name], text)
+        except (TimeoutError, ToolTimeout):
+            self.timeouts += 1
+            return ToolResult(f"error: timed out after {self.timeout_s:g} s", "timeout")
+        except ToolError as err:
+            self.errors += 1
+            return ToolResult(f"error: {err}", "error")
+        except Exception as err:  # noqa: BLE001 - a user tool's bug is an answer, not a crash
+            self.errors += 1
+            return ToolResult(f"error: {type(err).__name__}: {err}", "error")
+        return ToolResult(output)
+
+    async def _run(self, spec: str, text: str) -> str:
+        if spec == "calculator":
+            return calculator(text)
+        if spec == "python":
+            assert self._python is not None
+            return await asyncio.to_thread(self._python, text)
+        loop = asyncio.get_running_loop()
+        pool = await asyncio.to_thread(self._executor)
+        future = loop.run_in_executor(pool, _run_in_worker, spec, text)
+        try:
+            return await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            log.warning("tool %s timed out after %g s; replacing its workers", spec, self.timeout_s)
+            self._replace_pool(pool)
+            raise
+        except cf.process.BrokenProcessPool:
+            self._replace_pool(pool)
+            raise ToolError("the tool's worker process died") from None
+
+    def _replace_pool(self, pool: cf.ProcessPoolExecutor) -> None:
+        if self._pool is pool:
+            self._pool = None
+        _kill(pool)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "tool_calls": self.calls,
+            "tool_errors": self.errors,
+            "tool_timeouts": self.timeouts,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            _kill(self._pool)
+            self._pool = None
+
+
+def _kill(pool: cf.ProcessPoolExecutor) -> None:
+    processes: dict[int, Any] = getattr(pool, "_processes", None) or {}
+    for process in list(processes.values()):
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
+    """The episode rules of a run; its call's closing text must be one token."""
+    cfg = config.episode
+    close = tokenizer.encode(cfg.call_close, add_special_tokens=False)
+    if len(close) != 1:
+        raise ValueError(
+            f"episode.call_close={cfg.call_close!r} is {len(close)} tokens of the policy's "
+            "tokenizer; generation can only stop on one token: pick text that is a single "
+            "token (e.g. '</tool_call>' for Qwen, ']' for the built-in tiny model)"
+        )
+    return EpisodeSpec(
+        call_open=cfg.call_open,
+        call_close=cfg.call_close,
+        close_token_id=int(close[0]),
+        observation_template=cfg.observation_template,
+        max_turns=cfg.max_turns,
+        max_total_tokens=cfg.max_total_tokens,
+        max_new_tokens_per_turn=config.rollout.max_new_tokens,
+    )
+
+
+def plain_tool(config: RunConfig) -> ToolFn:
+    """The run's tools as one plain function of a call's text, in this process (the
+    warm start's held-out check: a few hundred calls, no worker pool)."""
+    functions: dict[str, ToolFn] = {}
+    for spec in config.episode.tools:
+        if spec == "calculator":
+            functions[tool_name(spec)] = calculator
+        elif spec == "python":
+            functions[tool_name(spec)] = python_tool(timeout_s=config.episode.tool_timeout_s)
+        else:
+            functions[tool_name(spec)] = load_user_tool(spec)
+
+    def call(text: str) -> str:
+        name, argument = route_call(text, functions)
+        return functions[name](argument)
+
+    return call
+
+
+class Shaping:
+    """The run's per-turn shaping hook (`episode.shaping`), called safely: a hook that
+    raises or returns something not finite adds 0 and is counted, never crashes."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.failures = 0
+        self._hook = load_user_tool(spec) if spec else None
+
+    def __call__(self, episode: Any) -> float:
+        if self._hook is None:
+            return 0.0
+        turns = [
+            {
+                "generated_tokens": t.generated_tokens,
+                "call": t.call,
+                "outcome": t.outcome,
+                "observation_tokens": t.observation_tokens,
+            }
+            for t in episode.turns
+        ]
+        try:
+            value = float(self._hook(turns))  # type: ignore[arg-type]
+        except Exception as err:  # noqa: BLE001 - a user hook's bug costs its bonus only
+            self.failures += 1
+            if self.failures == 1:
+                log.warning(
+                    "episode.shaping raised %r; adding 0 (counted as shaping_failures)", err
+                )
+            return 0.0
+        if not math.isfinite(value):
+            self.failures += 1
+            return 0.0
+        return value
