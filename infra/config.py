@@ -361,7 +361,7 @@ class RunConfig(BaseModel):
     )
 
     name: str = Field("sluice", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-    """Run name. Each run's id is `{name}-{UTC start time}` (or the id given to `--resume`), and its streams, checkpoints and control files live under `{storage.url}/{run id}`."""
+    """Run name. Each run's id is `{name}-{UTC start time}-{4 hex}` (or the id given to `--resume`), and its streams, checkpoints and control files live under `{storage.url}/{run id}`."""
     seed: int = 0
     """Seeds prompts, sampling, initialisation and training."""
     workdir: str = ".sluice"

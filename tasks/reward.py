@@ -174,6 +174,13 @@ class RewardRole(Role):
 
     def __init__(self, config: RunConfig, run_id: str, mlflow_run_id: str):
         super().__init__(config, run_id, mlflow_run_id)
+        # A verifier that does not load (a plugin module that is not there, a bad spec)
+        # stops the role at start, in one line, instead of after its first version.
+        load_verifier(
+            config.reward.verifier,
+            correct_reward=config.reward.correct_reward,
+            incorrect_reward=config.reward.incorrect_reward,
+        )
         self.reader = self.stream_reader(ROLLOUTS, consumer="reward")
         self.writer = self.stream_writer(SCORED, writer_id="reward")
         self.scored_groups = self.scored_samples = 0

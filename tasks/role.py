@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
@@ -40,6 +40,10 @@ log = logging.getLogger("sluice")
 EXIT_DAMAGED = 65
 """Exit code of a role process that found a committed checkpoint damaged (EX_DATAERR):
 deleted or altered after its commit. Restarting cannot repair it; the run stops."""
+EXIT_CANNOT_START = 78
+"""Exit code of a role process that failed before its loop began (EX_CONFIG): its
+imports, config or a plugin. A restart would meet the same error; the run stops."""
+CANNOT_START_MARK = "cannot start: "
 OUTAGE_MARK = "a service stopped answering"
 DAMAGED_MARK = "a committed checkpoint is damaged: "
 """What the role's last error line says, for its supervisor to find in the log."""
@@ -67,6 +71,14 @@ def stop_on_lasting_failure(role: str, exc: BaseException) -> None:
         log.debug("%s: damaged checkpoint", role, exc_info=exc)
         log.error(f"%s stops: {DAMAGED_MARK}%s", role, exc)
         raise SystemExit(EXIT_DAMAGED) from None
+
+
+def cannot_start(role: str, exc: BaseException) -> NoReturn:
+    """End a role process that failed before its loop began with `EXIT_CANNOT_START` and
+    one line naming the cause (the traceback goes to debug)."""
+    log.debug("%s: failed to start", role, exc_info=exc)
+    log.error(f"%s {CANNOT_START_MARK}%s: %s", role, type(exc).__name__, exc)
+    raise SystemExit(EXIT_CANNOT_START) from None
 
 
 class StopRequested(Exception):
@@ -105,7 +117,7 @@ class Role:
             role = cls(config, run_id, mlflow_run_id, **options)
         except Exception as exc:
             stop_on_lasting_failure(cls.name, exc)
-            raise
+            cannot_start(cls.name, exc)
         role.control.install_signal_handlers()
         try:
             role.run()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
-from sluice.tasks.process.launcher import start_forked_or_fresh
+from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh
 from sluice.tasks.run.paths import read_json, run_paths, write_json
 from sluice.tasks.run.threads import role_threads
 
@@ -70,7 +69,7 @@ class EmbeddedServer:
             serve_main,
             argv,
             log_dir / "inference-server.log",
-            [sys.executable, "-m", "sluice.infra.serving.server", *argv],
+            [*PYTHON, "-m", "sluice.infra.serving.server", *argv],
         )
 
     def stop(self) -> None:

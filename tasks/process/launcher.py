@@ -54,6 +54,11 @@ PRELOAD: tuple[str, ...] = (
 Not Prefect (the evaluate role's, 1 s): every role would wait for it.
 """
 
+PYTHON = (sys.executable, "-P")
+"""How Sluice starts its own interpreters: `-P` keeps the working directory off the front
+of sys.path, so a user's `tasks.py`, `sluice.py` or `infra/` there never stands in for
+Sluice's modules (`working_directory_last` puts it back at the end, for plugins)."""
+
 LAUNCHER_ENV = "SLUICE_ROLE_LAUNCHER"
 """`fresh` starts every role in a new interpreter (no launcher); the default is `fork`."""
 
@@ -134,6 +139,16 @@ def run_in_child(
             sys.stdout.flush()
             sys.stderr.flush()
     return code
+
+
+def working_directory_last() -> None:
+    """Make the user's own modules in the working directory importable, after everything
+    installed: a verifier or tool given as `my_module:function` imports, and a
+    `tasks.py` or `engines/` there shadows nothing (processes start with `-P`)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
 
 
 def _follow_pythonpath(pythonpath: str) -> None:
@@ -289,7 +304,7 @@ class Launcher:
     def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.tasks.process.launcher", *preload],
+            [*PYTHON, "-m", "sluice.tasks.process.launcher", *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -436,4 +451,5 @@ def start_forked_or_fresh(
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when roles stop
+    working_directory_last()
     serve(sys.stdin.buffer, sys.stdout.buffer, preload=sys.argv[1:])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,8 +30,14 @@ from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
 from sluice.infra.outages import EXIT_OUTAGE, probe_storage, probe_tracking
-from sluice.tasks.process.launcher import start_role
-from sluice.tasks.role import DAMAGED_MARK, EXIT_DAMAGED, OUTAGE_MARK
+from sluice.tasks.process.launcher import PYTHON, start_role
+from sluice.tasks.role import (
+    CANNOT_START_MARK,
+    DAMAGED_MARK,
+    EXIT_CANNOT_START,
+    EXIT_DAMAGED,
+    OUTAGE_MARK,
+)
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -56,6 +61,13 @@ class ServiceOutage(RunStopped):
     waits (`outage_timeout_s`): the run stops, to be continued with `--resume`."""
 
     exit_code = EXIT_OUTAGE
+
+
+class RoleCannotStart(RunStopped):
+    """A role process failed before its loop began (its imports, its config, a plugin
+    that does not load): a restart would fail the same way, so the run stops at once."""
+
+    exit_code = EXIT_CANNOT_START
 
 
 class CheckpointDamaged(RunStopped):
@@ -124,11 +136,12 @@ def forget_stop(run_id: str) -> None:
 # ---------------------------------------------------------------- one role
 
 
-def role_command(role: str, config_path: str, run_id: str, mlflow_run_id: str) -> list[str]:
+WORKER_MODULE = "sluice.tasks.process.worker"
+
+
+def role_args(role: str, config_path: str, run_id: str, mlflow_run_id: str) -> list[str]:
+    """The worker's arguments for one role (what the launcher forks with)."""
     return [
-        sys.executable,
-        "-m",
-        "sluice.tasks.process.worker",
         role,
         "--config",
         config_path,
@@ -137,6 +150,11 @@ def role_command(role: str, config_path: str, run_id: str, mlflow_run_id: str) -
         "--mlflow-run-id",
         mlflow_run_id,
     ]
+
+
+def role_command(role: str, config_path: str, run_id: str, mlflow_run_id: str) -> list[str]:
+    """The same role in a fresh interpreter."""
+    return [*PYTHON, "-m", WORKER_MODULE, *role_args(role, config_path, run_id, mlflow_run_id)]
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -153,9 +171,9 @@ def _marked_line(log_path: Path, mark: str) -> str:
     return (found or lines or ["(no log)"])[-1].strip()
 
 
-def _run_once(command: list[str], log_path: Path, run_id: str, stop_grace_s: float) -> int | None:
+def _run_once(args: list[str], log_path: Path, run_id: str, stop_grace_s: float) -> int | None:
     """Start the role process and wait for it; its exit code (None: told to stop)."""
-    child = start_role(command[3:], log_path, command)
+    child = start_role(args, log_path, [*PYTHON, "-m", WORKER_MODULE, *args])
     try:
         while child.poll() is None:
             if roles_stopping(run_id):
@@ -233,11 +251,11 @@ def supervise_role(
     config = RunConfig.model_validate(json.loads(Path(config_path).read_text()))
     log_path = Path(log_dir) / f"{role}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = role_command(role, config_path, run_id, mlflow_run_id)
+    args = role_args(role, config_path, run_id, mlflow_run_id)
     streak_started: float | None = None
     while True:
         started = time.monotonic()
-        code = _run_once(command, log_path, run_id, stop_grace_s)
+        code = _run_once(args, log_path, run_id, stop_grace_s)
         if code is None or code == 0:
             return 0
         if code == EXIT_DAMAGED:
@@ -245,6 +263,12 @@ def supervise_role(
                 f"run {run_id} stopped: {_marked_line(log_path, DAMAGED_MARK)}. It changed "
                 f"after its commit (deleted or overwritten outside Sluice); restore it, then "
                 f"{how_to_continue(role, run_id)}"
+            )
+        if code == EXIT_CANNOT_START:
+            raise RoleCannotStart(
+                f"run {run_id} stopped: the {role} role "
+                f"{_marked_line(log_path, CANNOT_START_MARK)} (log: {log_path}). Fix that, "
+                f"then {how_to_continue(role, run_id)}"
             )
         if code != EXIT_OUTAGE:
             raise RoleFailed(

@@ -48,9 +48,10 @@ def test_serve_builds_the_deployments_prefect_yaml_declares(deployments):
     }
     assert set(deployments) == set(declared) == {"train", "train-sync", "reproduce-nightly"}
     for name, spec in declared.items():
-        # prefect.yaml names a file (sluice/flows/train.py:train); serve names the module.
+        # prefect.yaml names a file (flows/train.py:train); serve names the module, which
+        # is imported as sluice.flows.train.
         path, function = spec["entrypoint"].split(":")
-        module = path.removesuffix(".py").replace("/", ".")
+        module = "sluice." + path.removesuffix(".py").replace("/", ".")
         assert deployments[name].entrypoint == f"{module}.{function}"
         assert set(deployments[name].tags) == set(spec["tags"])
         assert deployments[name].work_pool_name is None  # serve mode needs no pool
