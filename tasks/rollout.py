@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,19 @@ from typing import Any
 from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
 from sluice.engines.inference.profile import StepProfile
 from sluice.engines.rl.groups import group_index_of, group_key, reissue_plan, resume_gate
-from sluice.engines.rl.samples import episode_columns, group_rows, version_span
+from sluice.engines.rl.samples import group_rows, version_span
 from sluice.engines.rl.staleness import StalenessGate
+from sluice.engines.rl.trajectory import (
+    GROUP_ID,
+    LOSS_MASK,
+    RESPONSE_TOKEN_IDS,
+    TOKEN_VERSIONS,
+    TOOL_CALLS,
+    TOOL_ERRORS,
+    TOOL_TIMEOUTS,
+    TURNS,
+    TrajectoryRow,
+)
 from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
@@ -79,20 +91,21 @@ class RolloutStats:
     engine_profile: dict[str, Any] | None = None
     """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
 
-    def record_group(self, rows: list[dict[str, Any]]) -> None:
-        """Count one group written to the stream (`rows`: its samples)."""
+    def record_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Count one group written to the stream (`rows`: its samples, `TrajectoryRow`s
+        or their columns)."""
         self.groups_written += 1
         self.samples_written += len(rows)
         for r in rows:
-            mask = r.get("loss_mask")
+            mask = r.get(LOSS_MASK)
             observed = len(mask) - sum(mask) if mask is not None else 0
-            self.tokens_generated += len(r["response_token_ids"]) - observed
+            self.tokens_generated += len(r[RESPONSE_TOKEN_IDS]) - observed
             self.observation_tokens += observed
-            self.episode_turns += r.get("turns", 0)
-            self.tool_calls += r.get("tool_calls", 0)
-            self.tool_errors += r.get("tool_errors", 0)
-            self.tool_timeouts += r.get("tool_timeouts", 0)
-            span = version_span(r["token_versions"])
+            self.episode_turns += r.get(TURNS, 0)
+            self.tool_calls += r.get(TOOL_CALLS, 0)
+            self.tool_errors += r.get(TOOL_ERRORS, 0)
+            self.tool_timeouts += r.get(TOOL_TIMEOUTS, 0)
+            span = version_span(r[TOKEN_VERSIONS])
             if span:  # a weight update landed while this response was being generated
                 self.partial_samples += 1
                 self.max_version_span = max(self.max_version_span, span)
@@ -129,7 +142,7 @@ def committed_group_indices(reader: StreamReader) -> set[int]:
     indices: set[int] = set()
     for ref in reader.committed():
         table = reader.read(ref)
-        indices.update(group_index_of(g) for g in set(table.column("group_id").to_pylist()))
+        indices.update(group_index_of(g) for g in set(table.column(GROUP_ID).to_pylist()))
     return indices
 
 
@@ -230,7 +243,12 @@ class RolloutRole(Role):
 
     # ------------------------------------------------------------ groups
 
-    async def generate_group(self, client: InferenceClient, index: int) -> list[dict[str, Any]]:
+    @property
+    def served_version(self) -> int:
+        """The policy version the servers hold now (0 before the first is known)."""
+        return self.current.policy_version if self.current else 0
+
+    async def generate_group(self, client: InferenceClient, index: int) -> list[TrajectoryRow]:
         row, prompt_ids = self.prompts.train_prompt(index)
         cfg = self.config.rollout
         sampling = {
@@ -242,7 +260,8 @@ class RolloutRole(Role):
         if self.episodes is not None:
             return await self.generate_episodes(client, index, row, prompt_ids, sampling)
         results = await client.generate_group(prompt_ids, cfg.group_size, sampling)
-        return group_rows(index, row, prompt_ids, results, self.writer.writer_id)
+        worker, served = self.writer.writer_id, self.served_version
+        return group_rows(index, row, prompt_ids, results, worker, version_if_empty=served)
 
     async def generate_episodes(
         self,
@@ -251,7 +270,7 @@ class RolloutRole(Role):
         row: dict[str, Any],
         prompt_ids: list[int],
         sampling: dict[str, Any],
-    ) -> list[dict[str, Any]]:
+    ) -> list[TrajectoryRow]:
         """G multi-turn episodes of one prompt; each turn is one generate call that also
         stops at the call's closing token."""
         assert self.episodes is not None and self.toolbox is not None
@@ -278,14 +297,14 @@ class RolloutRole(Role):
             lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
             lambda ids: str(tokenizer.decode(ids)),
         )
-        rows = group_rows(index, row, prompt_ids, episodes, self.writer.writer_id)
-        for out, episode in zip(rows, episodes, strict=True):
-            out["loss_mask"] = episode.loss_mask
-            out.update(episode_columns(episode))
-            out["shaping_reward"] = self.shaping(episode)
-        return rows
+        shaping = [self.shaping(episode) for episode in episodes]
+        worker, served = self.writer.writer_id, self.served_version
+        return group_rows(
+            index, row, prompt_ids, episodes, worker,
+            shaping_rewards=shaping, version_if_empty=served,
+        )  # fmt: skip
 
-    def write_group(self, index: int, rows: list[dict[str, Any]]) -> None:
+    def write_group(self, index: int, rows: list[TrajectoryRow]) -> None:
         table = table_from_rows(rows, stream=ROLLOUTS)
         self.writer.write(table, shard_key=group_key(index))
         self.stats.record_group(rows)
@@ -353,7 +372,7 @@ class RolloutRole(Role):
         if reissue:
             log.info("re-issuing %d groups that were in flight before the restart", len(reissue))
         max_in_flight = max(1, (2 * cfg.rollout.max_batch_size) // cfg.rollout.group_size)
-        in_flight: dict[asyncio.Task[list[dict[str, Any]]], tuple[int, int]] = {}
+        in_flight: dict[asyncio.Task[list[TrajectoryRow]], tuple[int, int]] = {}
         last_poll = last_profile = 0.0
         idle_since: float | None = None
         while not self.control.should_stop():
@@ -392,12 +411,12 @@ class RolloutRole(Role):
             lost: InferenceServerUnreachableError | None = None
             for task in finished:
                 index, ticket = in_flight.pop(task)
-                rows: list[dict[str, Any]] | None = None
+                rows: list[TrajectoryRow] | None = None
                 try:
                     rows = task.result()
                 except InferenceServerUnreachableError as exc:
                     lost = exc  # its server went away: the group goes again, like an abort
-                if rows is None or any(r["finish_reason"] == "abort" for r in rows):
+                if rows is None or any(r.finish_reason == "abort" for r in rows):
                     gate.abandon(ticket)  # aborted by a weight update: free the slot, ask again
                     # Kept sorted: the smallest issue number goes first, so every group's
                     # number stays below its admission position and batch floor(n/B)

@@ -20,7 +20,12 @@ from sluice.engines.env.verifiers import load_verifier
 from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.policy.model import resolve_device
-from sluice.engines.rl.samples import batch_table, samples_from_table, staleness_stats
+from sluice.engines.rl.samples import (
+    batch_rows,
+    batch_table,
+    samples_from_table,
+    staleness_stats,
+)
 from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.tracking import log_metrics
@@ -121,13 +126,7 @@ class SyncRole(TrainingRole):
                 )
                 for (_, row, _), out in zip(prompts, outputs, strict=True)
             ]
-            table = batch_table(
-                [g for g, _, _ in prompts],
-                [ids for _, _, ids in prompts],
-                outputs,
-                rewards,
-                version,
-            )
+            table = batch_table(batch_rows(prompts, outputs, rewards, version))
             samples, stats = samples_from_table(table, advantages)
             stats.update(staleness_stats(table, version))
             metrics = trainer.train_step(samples) if samples else {}

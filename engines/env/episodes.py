@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sluice.engines.rl.samples import SampledResponse
+from sluice.engines.rl.trajectory import SampledResponse, version_bounds
 
 ToolOutcome = Literal["ok", "error", "timeout"]
 
@@ -163,12 +163,8 @@ async def run_episode(
             episode.finish_reason = "length"
             return episode
         turn = await generate(context, min(spec.max_new_tokens_per_turn, room))
-        versions = list(turn.token_versions)
-        record = TurnRecord(
-            len(turn.output_ids),
-            min(versions) if versions else None,
-            max(versions) if versions else None,
-        )
+        start, end = version_bounds(turn.token_versions) or (None, None)
+        record = TurnRecord(len(turn.output_ids), start, end)
         episode.turns.append(record)
         episode.add_generated(turn)
         context += list(turn.output_ids)

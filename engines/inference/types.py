@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sluice.engines.rl.trajectory import version_bounds
+
 FinishReason = Literal["stop", "length", "abort"]
 """Why a response ended: a stop/EOS token, a token budget, or an abort."""
 
@@ -144,11 +146,13 @@ class GenerationOutput:
 
     @property
     def version_start(self) -> int | None:
-        return min(self.token_versions) if self.token_versions else None
+        bounds = version_bounds(self.token_versions)
+        return None if bounds is None else bounds[0]
 
     @property
     def version_end(self) -> int | None:
-        return max(self.token_versions) if self.token_versions else None
+        bounds = version_bounds(self.token_versions)
+        return None if bounds is None else bounds[1]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from sluice.engines.megatron import convert
 from sluice.engines.megatron.model import initialize_parallel, load_hf_policy, packed_logits
 from sluice.engines.megatron.optimizer import MegatronPolicyOptimizer
 from sluice.engines.rl.batching import PackedBatch
-from sluice.engines.rl.loss import PolicyLossFn
+from sluice.engines.rl.loss import PolicyLoss
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
 from sluice.engines.rl.trainer import (
     OPTIMIZER_FILE,
@@ -55,7 +55,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
         self,
         model_dir: str | Path,
         settings: TrainerSettings,
-        loss_fn: PolicyLossFn,
+        loss_fn: PolicyLoss,
         correction_fn: RolloutCorrectionFn | None,
         *,
         device: str = "cpu",

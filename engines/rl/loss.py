@@ -27,21 +27,66 @@ Departures from the paper, on purpose:
   ``dual_clip_c * |A|`` so a huge ratio on a bad token cannot dominate the batch.
 
 Configs pick functions, never branches: :func:`make_policy_loss` binds the
-``trainer.loss`` section to a loss from :data:`POLICY_LOSSES`.
+``trainer.loss`` section to a loss from :data:`POLICY_LOSSES`. Two protocols type them,
+so the type checker holds every loss to the signature the trainer calls:
+:class:`ConfigurablePolicyLoss` (a registered loss, the config's knobs as keywords) and
+:class:`PolicyLoss` (one bound to its config, as the trainer holds it).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 
 Tensor = torch.Tensor
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-"""Signature of a configured loss: ``fn(logprobs, proximal_logprobs, behaviour_logprobs,
-advantages, loss_mask, num_global_tokens, *, behaviour_weights=None) -> (loss, metrics)``."""
+
+class PolicyLoss(Protocol):
+    """A policy loss bound to its config, as the trainer calls it once per micro-batch.
+
+    The per-token inputs share one layout (see the module); ``num_global_tokens`` is the
+    minibatch's valid-token count, the denominator of every micro-batch's loss;
+    ``behaviour_weights`` replaces exp(proximal - behaviour) when rollout correction
+    computed them. Returns the scalar loss and detached scalar metrics named ``loss/*``
+    (tensors: reading them would sync the device; :func:`merge_micro_batch_metrics`
+    turns them into floats once per minibatch).
+    """
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        proximal_logprobs: Tensor | None,
+        behaviour_logprobs: Tensor,
+        advantages: Tensor,
+        loss_mask: Tensor,
+        num_global_tokens: int | float | Tensor,
+        *,
+        behaviour_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+class ConfigurablePolicyLoss(Protocol):
+    """A loss in :data:`POLICY_LOSSES`: :class:`PolicyLoss`'s arguments, plus the fields of
+    the ``trainer.loss`` config as keywords (what :func:`make_policy_loss` binds)."""
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        proximal_logprobs: Tensor | None,
+        behaviour_logprobs: Tensor,
+        advantages: Tensor,
+        loss_mask: Tensor,
+        num_global_tokens: int | float | Tensor,
+        *,
+        eps_clip_low: float = ...,
+        eps_clip_high: float = ...,
+        dual_clip_c: float | None = ...,
+        decoupled: bool = ...,
+        behaviour_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 def _check_same_shape(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
@@ -205,7 +250,7 @@ def decoupled_ppo_loss(
     return loss, metrics
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
+POLICY_LOSSES: dict[str, ConfigurablePolicyLoss] = {
     "decoupled_ppo": decoupled_ppo_loss,
 }
 """Policy losses by config name; every entry takes the arguments of :func:`decoupled_ppo_loss`."""
@@ -218,7 +263,7 @@ def make_policy_loss(
     eps_clip_low: float = 0.2,
     eps_clip_high: float = 0.2,
     dual_clip_c: float | None = None,
-) -> PolicyLossFn:
+) -> PolicyLoss:
     """Bind a loss config (the fields of ``trainer.loss``) to a loss function.
 
     ``make_policy_loss(**config.trainer.loss.model_dump())`` gives a callable

@@ -1,100 +1,129 @@
 """What a prompt group becomes on its way from generation to a training step.
 
 Pure functions over the rows and Arrow tables the roles pass through the streams:
-the rows a generated group is written as (`group_rows`), a problem row split into
-stream columns and back (`row_json`, `row_from_columns`), a table scored by a verifier
-(`score_table`), the colocated loop's batch as the same columns (`batch_table`), and a
-scored batch turned into `TrainingSample`s with group advantages plus the statistics
-logged beside each step (`samples_from_table`, `gradient_sources`, `staleness_stats`).
+the rows a generated group is written as (`group_rows`, one `TrajectoryRow` per
+response), a problem row split into stream columns and back (`row_json`,
+`row_from_columns`), a table scored by a verifier (`score_table`), the colocated loop's
+batch as the same columns (`batch_table`), and a scored batch turned into
+`TrainingSample`s with group advantages plus the statistics logged beside each step
+(`samples_from_table`, `gradient_sources`, `staleness_stats`).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from sluice.engines.env.episodes import Episode
 from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.groups import group_key
 from sluice.engines.rl.trainer import TrainingSample
+from sluice.engines.rl.trajectory import (
+    ANSWER,
+    BEHAVIOUR_LOGPROBS,
+    FINISH_REASON,
+    GROUP_ID,
+    LOSS_MASK,
+    PROMPT,
+    PROMPT_ID,
+    PROMPT_TOKEN_IDS,
+    RESPONSE_TOKEN_IDS,
+    REWARD,
+    ROW_JSON,
+    SHAPING_REWARD,
+    TASK,
+    TOKEN_VERSIONS,
+    TOOL_CALLS,
+    TOOL_ERRORS,
+    TURNS,
+    VERSION_END,
+    VERSION_START,
+    SampledResponse,
+    TrajectoryRow,
+    version_bounds,
+)
 
-ROW_COLUMNS = ("prompt_id", "prompt", "answer", "task")
+ROW_COLUMNS = (PROMPT_ID, PROMPT, ANSWER, TASK)
 """Row fields that travel as their own stream columns; everything else rides in row_json."""
 
 
-def row_json(row: dict[str, Any]) -> str:
+def row_json(row: Mapping[str, Any]) -> str:
     """The fields of a problem row that have no stream column of their own, as JSON."""
     return json.dumps({k: v for k, v in row.items() if k not in ROW_COLUMNS}, default=str)
 
 
-def row_from_columns(record: dict[str, Any]) -> dict[str, Any]:
+def row_from_columns(record: Mapping[str, Any]) -> dict[str, Any]:
     """The verifier's view of a stream row: the prompt row as the dataset had it."""
     row = {k: record.get(k) for k in ROW_COLUMNS}
-    extra = record.get("row_json")
+    extra = record.get(ROW_JSON)
     if extra:
         row.update(json.loads(extra))
     return row
 
 
-class SampledResponse(Protocol):
-    """One response as the inference client returns it."""
-
-    @property
-    def output_ids(self) -> list[int]: ...
-    @property
-    def behaviour_logprobs(self) -> list[float]: ...
-    @property
-    def token_versions(self) -> list[int]: ...
-    @property
-    def finish_reason(self) -> str: ...
-
-
 def group_rows(
     index: int,
-    row: dict[str, Any],
+    row: Mapping[str, Any],
     prompt_ids: list[int],
     results: Sequence[SampledResponse],
     worker: str,
-) -> list[dict[str, Any]]:
-    """The `rollouts` stream rows of prompt group `index`: one per sampled response."""
-    return [
-        {
-            "sample_id": f"{group_key(index)}-{k:03d}",
-            "group_id": group_key(index),
-            "prompt_id": str(row["prompt_id"]),
-            "prompt_token_ids": prompt_ids,
-            "response_token_ids": list(result.output_ids),
-            "behaviour_logprobs": list(result.behaviour_logprobs),
-            "token_versions": list(result.token_versions),
-            "finish_reason": result.finish_reason,
-            "reward": None,
-            "task": str(row.get("task", "")),
-            "worker": worker,
-            "prompt": str(row["prompt"]),
-            "answer": str(row.get("answer", "")),
-            "row_json": row_json(row),
-        }
-        for k, result in enumerate(results)
-    ]
+    *,
+    shaping_rewards: Sequence[float] | None = None,
+    version_if_empty: int | None = None,
+) -> list[TrajectoryRow]:
+    """The `rollouts` stream rows of prompt group `index`: one per sampled response.
 
-
-def episode_columns(episode: Any) -> dict[str, int]:
-    """The extra stream columns of a multi-turn episode (`sluice.engines.env.episodes.Episode`)."""
-    return {
-        "turns": len(episode.turns),
-        "tool_calls": episode.tool_calls,
-        "tool_errors": episode.tool_errors,
-        "tool_timeouts": episode.tool_timeouts,
-    }
+    A result that is a multi-turn `Episode` also gives its row the episode's loss mask and
+    columns, with `shaping_rewards[k]` (one per result) as the shaping it earned.
+    `version_if_empty` is the policy version serving the group, the span of a response
+    without tokens.
+    """
+    key = group_key(index)
+    created_at = datetime.datetime.now(datetime.UTC)  # one time for the whole group
+    rows = []
+    for k, result in enumerate(results):
+        episode = result if isinstance(result, Episode) else None
+        if episode is not None and shaping_rewards is None:
+            raise ValueError("the rows of multi-turn episodes need their shaping_rewards")
+        rows.append(
+            TrajectoryRow(
+                sample_id=f"{key}-{k:03d}",
+                group_id=key,
+                prompt_id=str(row[PROMPT_ID]),
+                prompt_token_ids=prompt_ids,
+                response_token_ids=list(result.output_ids),
+                behaviour_logprobs=list(result.behaviour_logprobs),
+                token_versions=list(result.token_versions),
+                version_if_empty=version_if_empty,
+                finish_reason=result.finish_reason,
+                task=str(row.get(TASK, "")),
+                worker=worker,
+                created_at=created_at,
+                prompt=str(row[PROMPT]),
+                answer=str(row.get(ANSWER, "")),
+                row_json=row_json(row),
+                # An episode's own columns; a single-turn response writes none of them.
+                loss_mask=None if episode is None else episode.loss_mask,
+                turns=None if episode is None else len(episode.turns),
+                tool_calls=None if episode is None else episode.tool_calls,
+                tool_errors=None if episode is None else episode.tool_errors,
+                tool_timeouts=None if episode is None else episode.tool_timeouts,
+                shaping_reward=None if shaping_rewards is None else shaping_rewards[k],
+            )
+        )
+    return rows
 
 
 def version_span(token_versions: Sequence[int]) -> int:
     """How many policy versions one response's tokens span (0: generated by one version)."""
-    return max(token_versions) - min(token_versions) if token_versions else 0
+    bounds = version_bounds(token_versions)
+    return bounds[1] - bounds[0] if bounds else 0
 
 
 def score_table(
@@ -103,16 +132,16 @@ def score_table(
     decode: Callable[[list[int]], str],
 ) -> pa.Table:
     """`table` with its `reward` column filled by `score(rows, response_texts)`."""
-    records = table.select(["prompt_id", "prompt", "answer", "task", "row_json"]).to_pylist()
+    records = table.select([*ROW_COLUMNS, ROW_JSON]).to_pylist()
     rows = [row_from_columns(r) for r in records]
-    texts = [decode(ids) for ids in table.column("response_token_ids").to_pylist()]
+    texts = [decode(ids) for ids in table.column(RESPONSE_TOKEN_IDS).to_pylist()]
     rewards = score(rows, texts)
-    if "shaping_reward" in table.column_names:
+    if SHAPING_REWARD in table.column_names:
         # Per-turn shaping a multi-turn episode earned (`episode.shaping`), on top.
-        shaping = table.column("shaping_reward").to_pylist()
+        shaping = table.column(SHAPING_REWARD).to_pylist()
         rewards = [r + float(s or 0.0) for r, s in zip(rewards, shaping, strict=True)]
-    index = table.schema.get_field_index("reward")
-    return table.set_column(index, table.schema.field("reward"), pa.array(rewards, pa.float32()))
+    index = table.schema.get_field_index(REWARD)
+    return table.set_column(index, table.schema.field(REWARD), pa.array(rewards, pa.float32()))
 
 
 class FinishedResponse(Protocol):
@@ -123,35 +152,60 @@ class FinishedResponse(Protocol):
     @property
     def behaviour_logprobs(self) -> list[float]: ...
     @property
+    def token_versions(self) -> list[int]: ...
+    @property
     def finish_reason(self) -> str: ...
-    @property
-    def version_start(self) -> int | None: ...
-    @property
-    def version_end(self) -> int | None: ...
 
 
-def batch_table(
-    group_indices: Sequence[int],
-    prompt_ids: Sequence[list[int]],
+def batch_rows(
+    prompts: Sequence[tuple[int, dict[str, Any], list[int]]],
     outputs: Sequence[FinishedResponse],
     rewards: Sequence[float],
     policy_version: int,
-) -> pa.Table:
-    """A scored batch generated in-process by `policy_version`, in the columns the trainer
-    reads from the `scored` stream (one row per response; `group_indices` and
-    `prompt_ids` per response too)."""
+    worker: str = "sync",
+) -> list[TrajectoryRow]:
+    """The colocated loop's scored batch as trajectory rows, built as the rollout role
+    builds its own: `prompts` holds (group index, prompt row, prompt ids) per response,
+    a group's G responses in a run. A response without tokens spans `policy_version`."""
+    rows = []
+    samples_of_group: dict[int, int] = {}
+    for (index, row, prompt_ids), out, reward in zip(prompts, outputs, rewards, strict=True):
+        sample = samples_of_group[index] = samples_of_group.get(index, -1) + 1
+        rows.append(
+            TrajectoryRow(
+                sample_id=f"{group_key(index)}-{sample:03d}",
+                group_id=group_key(index),
+                prompt_id=str(row["prompt_id"]),
+                prompt_token_ids=list(prompt_ids),
+                response_token_ids=list(out.output_token_ids),
+                behaviour_logprobs=list(out.behaviour_logprobs),
+                token_versions=list(out.token_versions),
+                finish_reason=out.finish_reason,
+                reward=float(reward),
+                task=str(row.get("task", "")),
+                worker=worker,
+                prompt=str(row["prompt"]),
+                answer=str(row.get("answer", "")),
+                row_json=row_json(row),
+                version_if_empty=policy_version,
+            )
+        )
+    return rows
+
+
+def batch_table(rows: Sequence[TrajectoryRow]) -> pa.Table:
+    """The columns of `rows` the trainer reads from the `scored` stream: the colocated
+    loop's batch never reaches a stream, so it carries these only."""
     return pa.table(
         {
-            "group_id": [group_key(g) for g in group_indices],
-            "reward": pa.array(rewards, pa.float32()),
-            "prompt_token_ids": list(prompt_ids),
-            "response_token_ids": [o.output_token_ids for o in outputs],
-            "behaviour_logprobs": [o.behaviour_logprobs for o in outputs],
-            "finish_reason": [o.finish_reason for o in outputs],
-            "version_start": pa.array(
-                [o.version_start or policy_version for o in outputs], pa.int32()
-            ),
-            "version_end": pa.array([o.version_end or policy_version for o in outputs], pa.int32()),
+            GROUP_ID: [r.group_id for r in rows],
+            REWARD: pa.array([r.reward for r in rows], pa.float32()),
+            PROMPT_TOKEN_IDS: [r.prompt_token_ids for r in rows],
+            RESPONSE_TOKEN_IDS: [r.response_token_ids for r in rows],
+            BEHAVIOUR_LOGPROBS: [r.behaviour_logprobs for r in rows],
+            FINISH_REASON: [r.finish_reason for r in rows],
+            VERSION_START: pa.array([r.version_start for r in rows], pa.int32()),
+            VERSION_END: pa.array([r.version_end for r in rows], pa.int32()),
         }
     )
 
@@ -161,18 +215,18 @@ def samples_from_table(
 ) -> tuple[list[TrainingSample], dict[str, float]]:
     """Group advantages (`advantage_fn` from `sluice.engines.rl.advantages.make_advantage_fn`), then one
     TrainingSample per kept response, and the batch's statistics."""
-    rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
-    group_names = table.column("group_id").to_pylist()
+    rewards = np.asarray(table.column(REWARD).to_numpy(zero_copy_only=False), dtype=np.float64)
+    group_names = table.column(GROUP_ID).to_pylist()
     codes = {g: i for i, g in enumerate(dict.fromkeys(group_names))}
     result = advantage_fn(
         torch.as_tensor(rewards), group_ids=torch.tensor([codes[g] for g in group_names])
     )
-    prompts = table.column("prompt_token_ids").to_pylist()
-    responses = table.column("response_token_ids").to_pylist()
-    behaviour = table.column("behaviour_logprobs").to_pylist()
+    prompts = table.column(PROMPT_TOKEN_IDS).to_pylist()
+    responses = table.column(RESPONSE_TOKEN_IDS).to_pylist()
+    behaviour = table.column(BEHAVIOUR_LOGPROBS).to_pylist()
     masks = (
-        table.column("loss_mask").to_pylist()
-        if "loss_mask" in table.column_names
+        table.column(LOSS_MASK).to_pylist()
+        if LOSS_MASK in table.column_names
         else [None] * table.num_rows
     )
     keep = result.keep_samples.tolist()
@@ -195,7 +249,7 @@ def samples_from_table(
         "response/length_max": float(lengths.max()),
         "response/length_p50": float(np.percentile(lengths, 50)),
         "response/truncated_fraction": float(
-            np.mean([f == "length" for f in table.column("finish_reason").to_pylist()])
+            np.mean([f == "length" for f in table.column(FINISH_REASON).to_pylist()])
         ),
     }
     return samples, stats
@@ -205,13 +259,13 @@ def episode_stats(table: pa.Table) -> dict[str, float]:
     """Multi-turn statistics of a batch (none for single-turn responses): turns and tool
     calls per episode, the share of calls that failed, the share of response tokens that
     are tool observations, and the spread of episode lengths."""
-    if "turns" not in table.column_names:
+    if TURNS not in table.column_names:
         return {}
-    turns = np.asarray(table.column("turns").to_pylist(), dtype=np.float64)
-    calls = np.asarray(table.column("tool_calls").to_pylist(), dtype=np.float64)
-    errors = np.asarray(table.column("tool_errors").to_pylist(), dtype=np.float64)
-    lengths = np.array([len(r) for r in table.column("response_token_ids").to_pylist()])
-    masks = table.column("loss_mask").to_pylist()
+    turns = np.asarray(table.column(TURNS).to_pylist(), dtype=np.float64)
+    calls = np.asarray(table.column(TOOL_CALLS).to_pylist(), dtype=np.float64)
+    errors = np.asarray(table.column(TOOL_ERRORS).to_pylist(), dtype=np.float64)
+    lengths = np.array([len(r) for r in table.column(RESPONSE_TOKEN_IDS).to_pylist()])
+    masks = table.column(LOSS_MASK).to_pylist()
     observed = sum(len(m) - sum(m) for m in masks if m is not None)
     return {
         "episode/turns_mean": float(turns.mean()),
@@ -262,12 +316,12 @@ def turn_starts(loss_mask: Sequence[int]) -> list[int]:
 def turn_staleness(table: pa.Table, policy_version: int) -> dict[str, float]:
     """Versions behind the weights being updated, turn by turn, for multi-turn episodes
     (a later turn may have been generated by newer weights than the first)."""
-    if "loss_mask" not in table.column_names or table.column("loss_mask").null_count == len(table):
+    if LOSS_MASK not in table.column_names or table.column(LOSS_MASK).null_count == len(table):
         return {}
     lags, last = [], []
     for mask, versions in zip(
-        table.column("loss_mask").to_pylist(),
-        table.column("token_versions").to_pylist(),
+        table.column(LOSS_MASK).to_pylist(),
+        table.column(TOKEN_VERSIONS).to_pylist(),
         strict=True,
     ):
         if mask is None:
@@ -287,8 +341,8 @@ def turn_staleness(table: pa.Table, policy_version: int) -> dict[str, float]:
 
 def staleness_stats(table: pa.Table, policy_version: int) -> dict[str, float]:
     """How many versions behind the weights being updated each sample was generated."""
-    start = table.column("version_start").to_numpy(zero_copy_only=False).astype(np.int64)
-    end = table.column("version_end").to_numpy(zero_copy_only=False).astype(np.int64)
+    start = table.column(VERSION_START).to_numpy(zero_copy_only=False).astype(np.int64)
+    end = table.column(VERSION_END).to_numpy(zero_copy_only=False).astype(np.int64)
     lag = policy_version - start
     return {
         **turn_staleness(table, policy_version),

@@ -37,7 +37,7 @@ from sluice.engines.rl.batching import (
     pack_sequences,
     register_packed_attention,
 )
-from sluice.engines.rl.loss import PolicyLossFn, merge_micro_batch_metrics
+from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
 
@@ -123,7 +123,7 @@ class PolicyTrainer:
         self,
         model_dir: str | Path,
         settings: TrainerSettings,
-        loss_fn: PolicyLossFn,
+        loss_fn: PolicyLoss,
         correction_fn: RolloutCorrectionFn | None,
         *,
         device: str = "cpu",

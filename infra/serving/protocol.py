@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, get_args
 
 from sluice.engines.inference.types import FinishReason, GenerationOutput, PauseMode
+from sluice.engines.rl.trajectory import version_bounds
 
 # ------------------------------------------------------------------ routes
 
@@ -224,11 +225,13 @@ class GenerateResponse:
 
     @property
     def version_start(self) -> int | None:
-        return min(self.token_versions) if self.token_versions else None
+        bounds = version_bounds(self.token_versions)
+        return None if bounds is None else bounds[0]
 
     @property
     def version_end(self) -> int | None:
-        return max(self.token_versions) if self.token_versions else None
+        bounds = version_bounds(self.token_versions)
+        return None if bounds is None else bounds[1]
 
 
 class ResponseSchemaError(ValueError):

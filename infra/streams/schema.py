@@ -1,6 +1,8 @@
 """The trajectory row layout of every stream, and the helpers that build and check tables.
 
-Row = one sampled response (docs/design.md §3). The Arrow schema carries
+Row = one sampled response (docs/design.md §3), typed in Python as
+``sluice.engines.rl.trajectory.TrajectoryRow`` (a unit test holds its fields and this
+schema's columns equal, names and nullability). The Arrow schema carries
 ``sluice.schema_version`` and ``sluice.stream`` in its metadata (invariant 4,
 self-describing): ``validate_table`` checks a shard read back, ``conform_table`` readies a
 table to commit, and ``table_from_rows`` / ``table_from_arrays`` build one from Python
@@ -18,6 +20,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sluice.engines.rl.trajectory import (
+    BEHAVIOUR_LOGPROBS,
+    CREATED_AT,
+    LOSS_MASK,
+    RESPONSE_TOKEN_IDS,
+    REWARD,
+    TOKEN_VERSIONS,
+    VERSION_END,
+    VERSION_START,
+    version_bounds,
+)
 from sluice.infra.streams.errors import SchemaError
 
 SCHEMA_VERSION = "2"
@@ -27,7 +40,7 @@ whose tool observations sit among the response tokens but are never trained)."""
 READABLE_VERSIONS = ("1", "2")
 """Layouts a reader accepts; an older shard is read as the current layout
 (``upgrade_table``), so shards written before an upgrade are still consumed."""
-ADDED_IN: dict[str, str] = {"loss_mask": "2"}
+ADDED_IN: dict[str, str] = {LOSS_MASK: "2"}
 """Core columns that a layout before the named version does not have."""
 SCHEMA_VERSION_KEY = b"sluice.schema_version"
 STREAM_KEY = b"sluice.stream"
@@ -61,10 +74,10 @@ TRAJECTORY_SCHEMA = pa.schema(
 CORE_COLUMNS: tuple[str, ...] = tuple(TRAJECTORY_SCHEMA.names)
 # Per-token columns of one response: equal length in every row, or the trainer misaligns them.
 PER_TOKEN_COLUMNS: tuple[str, ...] = (
-    "response_token_ids",
-    "behaviour_logprobs",
-    "token_versions",
-    "loss_mask",
+    RESPONSE_TOKEN_IDS,
+    BEHAVIOUR_LOGPROBS,
+    TOKEN_VERSIONS,
+    LOSS_MASK,
 )
 
 
@@ -111,11 +124,11 @@ def _row_problems(table: pa.Table) -> list[str]:
                 f"row {row}: {name!r} has {length[row].as_py()} entries but "
                 f"'response_token_ids' has {lengths[0][row].as_py()}"
             )
-    if "loss_mask" in table.column_names:
-        flags = pc.list_flatten(table.column("loss_mask"))
+    if LOSS_MASK in table.column_names:
+        flags = pc.list_flatten(table.column(LOSS_MASK))
         if len(flags) and pc.max(flags).as_py() > 1:
-            problems.append("column 'loss_mask' holds values other than 0 and 1")
-    backwards = pc.greater(table.column("version_start"), table.column("version_end"))
+            problems.append(f"column {LOSS_MASK!r} holds values other than 0 and 1")
+    backwards = pc.greater(table.column(VERSION_START), table.column(VERSION_END))
     if pc.any(backwards).as_py():
         row = int(pc.index(backwards, True).as_py())
         problems.append(f"row {row}: version_start > version_end")
@@ -262,7 +275,7 @@ def flat_list_column(table: pa.Table, column: str = "response_token_ids") -> Fla
     )
 
 
-_DERIVABLE = {"reward", "created_at", "version_start", "version_end", "loss_mask"}
+_DERIVABLE = {REWARD, CREATED_AT, VERSION_START, VERSION_END, LOSS_MASK}
 
 
 def _now_ms_utc() -> np.datetime64:
@@ -270,7 +283,8 @@ def _now_ms_utc() -> np.datetime64:
 
 
 def _versions_from_tokens(token_versions: pa.Array) -> tuple[pa.Array, pa.Array]:
-    flat = flat_list_column(pa.table({"token_versions": token_versions}), "token_versions")
+    """`version_bounds` of every row at once, over the flat values (no Python per row)."""
+    flat = flat_list_column(pa.table({TOKEN_VERSIONS: token_versions}), TOKEN_VERSIONS)
     lengths = np.diff(flat.offsets)
     if (lengths == 0).any():
         row = int(np.argmax(lengths == 0))
@@ -320,18 +334,18 @@ def table_from_arrays(columns: Mapping[str, Any], *, stream: str | None = None) 
     wrong = {name: n for name, n in lengths.items() if n != num_rows}
     if wrong:
         raise SchemaError(f"columns have {wrong} rows but 'sample_id' has {num_rows}")
-    if "reward" not in arrays:
-        arrays["reward"] = pa.nulls(num_rows, type=pa.float32())
-    if "loss_mask" not in arrays:
-        arrays["loss_mask"] = pa.nulls(num_rows, type=TRAJECTORY_SCHEMA.field("loss_mask").type)
-    if "created_at" not in arrays:
-        arrays["created_at"] = pa.array(
+    if REWARD not in arrays:
+        arrays[REWARD] = pa.nulls(num_rows, type=pa.float32())
+    if LOSS_MASK not in arrays:
+        arrays[LOSS_MASK] = pa.nulls(num_rows, type=TRAJECTORY_SCHEMA.field(LOSS_MASK).type)
+    if CREATED_AT not in arrays:
+        arrays[CREATED_AT] = pa.array(
             np.full(num_rows, _now_ms_utc()), type=pa.timestamp("ms", tz="UTC")
         )
-    if "version_start" not in arrays or "version_end" not in arrays:
-        start, end = _versions_from_tokens(arrays["token_versions"])
-        arrays.setdefault("version_start", start)
-        arrays.setdefault("version_end", end)
+    if VERSION_START not in arrays or VERSION_END not in arrays:
+        start, end = _versions_from_tokens(arrays[TOKEN_VERSIONS])
+        arrays.setdefault(VERSION_START, start)
+        arrays.setdefault(VERSION_END, end)
     fields = list(TRAJECTORY_SCHEMA)
     ordered = [arrays[name] for name in CORE_COLUMNS]
     for name, values in columns.items():
@@ -378,18 +392,18 @@ def table_from_rows(rows: Sequence[Mapping[str, Any]], *, stream: str | None = N
                     f"column {name!r}"
                 )
         complete = dict(row)
-        complete.setdefault("reward", None)
-        complete.setdefault("loss_mask", None)
-        complete.setdefault("created_at", now)
-        if "version_start" not in row or "version_end" not in row:
-            versions = list(row["token_versions"])
-            if not versions:
+        complete.setdefault(REWARD, None)
+        complete.setdefault(LOSS_MASK, None)
+        complete.setdefault(CREATED_AT, now)
+        if VERSION_START not in row or VERSION_END not in row:
+            bounds = version_bounds(list(row[TOKEN_VERSIONS]))
+            if bounds is None:
                 raise SchemaError(
                     f"row {index} (sample_id={row.get('sample_id')!r}) has no token_versions: "
                     "give version_start/version_end explicitly"
                 )
-            complete.setdefault("version_start", min(versions))
-            complete.setdefault("version_end", max(versions))
+            complete.setdefault(VERSION_START, bounds[0])
+            complete.setdefault(VERSION_END, bounds[1])
         names.update(dict.fromkeys(row))
         filled.append(complete)
     columns = {name: [row.get(name) for row in filled] for name in names}

@@ -41,6 +41,7 @@ ALLOWED_ENGINE_IMPORTS_IN_INFRA = (
     "sluice.engines.inference.engine",
     "sluice.engines.policy.model",
     "sluice.engines.env.sandbox",
+    "sluice.engines.rl.trajectory",  # streams/schema: the row's column names (stdlib only)
 )
 
 

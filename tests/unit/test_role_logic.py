@@ -26,6 +26,7 @@ from sluice.engines.rl.advantages import make_advantage_fn
 from sluice.engines.rl.evaluation import heldout_metrics
 from sluice.engines.rl.groups import group_key, reissue_plan, resume_gate
 from sluice.engines.rl.samples import (
+    batch_rows,
     batch_table,
     group_rows,
     row_from_columns,
@@ -360,14 +361,19 @@ def test_a_sync_step_asks_its_b_groups_g_times_each_with_seeded_samples(config):
 class Output:
     output_token_ids: list[int]
     behaviour_logprobs: list[float]
+    token_versions: list[int]
     finish_reason: str
-    version_start: int | None
-    version_end: int | None
 
 
 def test_a_sync_batch_has_the_scored_streams_columns_and_its_own_version_when_unmarked():
-    outputs = [Output([5], [-0.1], "stop", 2, 2), Output([], [], "length", None, None)]
-    table = batch_table([0, 0], [[1], [1]], outputs, [1.0, 0.0], policy_version=3)
+    outputs = [Output([5], [-0.1], [2], "stop"), Output([], [], [], "length")]
+    row = {"prompt_id": "p0", "prompt": "1+1", "answer": "2", "task": "sum", "level": 3}
+    prompts = [(0, row, [1]), (0, row, [1])]
+    rows = batch_rows(prompts, outputs, [1.0, 0.0], policy_version=3)
+    # Built as the rollout role builds its rows: one sample id per response of a group.
+    assert [r.sample_id for r in rows] == [f"{group_key(0)}-000", f"{group_key(0)}-001"]
+    assert rows[0].row_json == '{"level": 3}' and rows[1].worker == "sync"
+    table = batch_table(rows)
     assert table.column("group_id").to_pylist() == [group_key(0)] * 2
     assert table.column("version_start").to_pylist() == [2, 3]
     assert table.column("reward").type == pa.float32()
