@@ -1,6 +1,7 @@
 """`sluice bench determinism`: two seeded synchronous runs must log the same numbers, bit for bit.
 
-The guarantee (STYLE.md habit 9): two `train_sync` runs of one config and seed, from
+The guarantee, which lets a refactor meant to change nothing prove it by reproducing
+the seeded numbers exactly: two `train_sync` runs of one config and seed, from
 the same initial policy, on the same machine with the same torch thread count, log
 identical float64 values of `loss/policy_loss`, `train/grad_norm` and `reward/mean` at
 every step, and end on byte-identical weights. What makes that hold:
