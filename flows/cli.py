@@ -7,11 +7,13 @@
     sluice bench time-to-target [--variant sync|'async η=4' ...] [--seeds N] [--horizon S] [--delta D]
     sluice bench staleness [--eta E ...] [--objective decoupled|naive ...] [--seeds N]
     sluice bench mismatch  [--mode none|token_tis|... ...] [--seeds N]
+    sluice model import SRC DIR [--dtype D] [--force]   # flows/model_cli.py
 
 A bad config fails here in milliseconds with one line, before torch, Prefect or
 MLflow are imported. Every command lives here (exit codes, error lines, what is
-printed); the flows it calls (flows/train.py, flows/evaluate.py, flows/bench/async_vs_sync.py, ...)
-are imported only once the arguments are known to be good.
+printed), except `sluice model`'s parser and output (flows/model_cli.py); the flows it
+calls (flows/train.py, flows/evaluate.py, flows/bench/async_vs_sync.py, ...) are
+imported only once the arguments are known to be good.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import os
 import sys
 from typing import Any, get_args
 
+from sluice.engines.policy.importer import ModelImportError
+from sluice.flows.model_cli import add_model_parser, run_model
 from sluice.flows.planner.args import add_plan_parser
 from sluice.flows.run_dirs import resolve_run
 from sluice.infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
@@ -156,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(bench)
     add_plan_parser(sub)
+    add_model_parser(sub)
     return parser
 
 
@@ -207,7 +212,11 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]:
-    args = build_parser().parse_args(argv)
+    return check_args(build_parser().parse_args(argv))
+
+
+def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]:
+    """The run config a command's arguments name, validated."""
     if getattr(args, "sync", False) and getattr(args, "resume", None):
         raise ConfigError(
             "--resume continues an asynchronous run; 'sluice train --sync' always starts "
@@ -230,8 +239,15 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "model":  # takes no run config
+        _quiet_environment()
+        try:
+            return run_model(args)
+        except ModelImportError as err:
+            return fail(err)
     try:
-        args, config = parse(argv)
+        args, config = check_args(args)
     except ConfigError as err:
         return fail(err)
     _quiet_environment()

@@ -25,6 +25,7 @@ injects the mismatch used by studies, ``types`` holds what goes in and out.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -48,6 +49,8 @@ from sluice.engines.inference.weights import (
     perturb_weights,
     read_weight_files,
 )
+
+log = logging.getLogger(__name__)
 
 
 class InferenceEngine(Scheduler):
@@ -145,6 +148,13 @@ class InferenceEngine(Scheduler):
             prompt_cache_size=prompt_cache_size,
             fast_forward=fast_forward,
         )
+        if fast_forward and batch.fast is None:
+            log.info(
+                "%s (model_type %r) has no fast forward in sluice.engines.inference.decoder; "
+                "the engine runs the Hugging Face decoder",
+                type(self.model).__name__,
+                self.model_type,
+            )
         super().__init__(
             batch,
             vocab_size=int(config.vocab_size),
