@@ -22,6 +22,7 @@ from sluice.infra.config_overrides import (
     format_validation_error,
     read_config_file,
 )
+from sluice.infra.problem_config import ReasoningGymConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "flows" / "configs"
 
@@ -82,9 +83,17 @@ class ProblemConfig(_Section):
     """What the policy is asked to solve."""
 
     name: str = "longtail_sum"
-    """Built-in task name, used when `dataset` is None."""
+    """Built-in task name, used when `dataset` is None: `longtail_sum`, `tool_arith`, or `reasoning_gym` (the tasks of `reasoning_gym`)."""
     dataset: str | None = None
     """A .jsonl or .parquet file of rows with `prompt` and `answer` (extra columns reach the verifier)."""
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    """Tasks, mix, prompt instruction and answer format of `name: reasoning_gym` (docs/configuration.md)."""
+
+    @model_validator(mode="after")
+    def _reasoning_gym_tasks(self) -> ProblemConfig:
+        if self.name == "reasoning_gym" and not self.dataset and not self.reasoning_gym.tasks:
+            raise ValueError("problem.name=reasoning_gym needs problem.reasoning_gym.tasks")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -181,7 +190,7 @@ class RewardConfig(_Section):
     """Scoring of responses."""
 
     verifier: str = "builtin"
-    """`builtin`, `math`, `code`, or an import path `package.module:function(row, response_text) -> float`."""
+    """`builtin`, `math`, `code`, `reasoning_gym` (the task's own scoring, for `problem.name: reasoning_gym`), or an import path `package.module:function(row, response_text) -> float`."""
     correct_reward: float = 1.0
     """Reward of a verified-correct response."""
     incorrect_reward: float = 0.0
@@ -396,6 +405,16 @@ class RunConfig(BaseModel):
     """Object storage for streams and checkpoints."""
     tracking: TrackingConfig = TrackingConfig()
     """MLflow tracking and registry."""
+
+    @model_validator(mode="after")
+    def _reasoning_gym_verifier(self) -> RunConfig:
+        uses_rg = self.problem.name == "reasoning_gym" and not self.problem.dataset
+        if uses_rg and self.reward.verifier in ("builtin", "math", "code"):
+            raise ValueError(
+                "problem.name=reasoning_gym is scored by reward.verifier=reasoning_gym "
+                f"(not {self.reward.verifier})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _launched_servers(self) -> RunConfig:

@@ -19,12 +19,13 @@ from sluice.engines.env.problems.base import Problem
 from sluice.engines.env.problems.dataset import DatasetProblem
 from sluice.engines.env.problems.registry import get_problem
 from sluice.infra.config import RunConfig
+from sluice.infra.problem_config import problem_options
 
 
 def build_problem(config: RunConfig) -> Problem:
     if config.problem.dataset:
         return DatasetProblem.from_files(config.problem.dataset, config.evaluation.dataset)
-    return get_problem(config.problem.name)
+    return get_problem(config.problem.name, **problem_options(config.problem))
 
 
 def load_policy_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sluice.engines.env.verifiers import load_verifier
+from sluice.engines.env.verifiers import Score, load_verifier, outcome_of
 from sluice.engines.rl.samples import score_table
 from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.checkpoints import CheckpointIncomplete
@@ -46,7 +46,8 @@ def _worker_ready() -> bool:
 
 def _score_in_worker(row: dict[str, Any], text: str) -> float:
     assert _worker_verifier is not None
-    return float(_worker_verifier(row, text))
+    value = _worker_verifier(row, text)
+    return value if isinstance(value, Score) else float(value)  # a Score keeps its outcome
 
 
 WORKER_START_TIMEOUT_S = 120.0
@@ -73,6 +74,8 @@ class VerifierPool:
         self.spec, self.workers, self.timeout_s = spec, workers, timeout_s
         self.correct, self.incorrect = correct, incorrect
         self.timeouts = 0
+        # Responses with no answer in the expected format; verifier calls that failed.
+        self.unparsed = self.errors = 0
         # The built-in checker is a string compare: a process hop would cost more than it.
         self.inline = spec == "builtin" and workers == 1
         self.threads = run_python is not None
@@ -99,7 +102,9 @@ class VerifierPool:
 
     def score(self, rows: list[dict[str, Any]], texts: list[str]) -> list[float]:
         if self.inline:
-            return [float(self.verifier(row, text)) for row, text in zip(rows, texts, strict=True)]
+            return [
+                self._count(self.verifier(row, text)) for row, text in zip(rows, texts, strict=True)
+            ]
         score_one = self.verifier if self.threads else _score_in_worker
         try:
             pool = self._executor()
@@ -119,7 +124,8 @@ class VerifierPool:
         scores, broken = [], False
         for future in futures:
             try:
-                scores.append(float(future.result(timeout=max(0.0, deadline - time.monotonic()))))
+                value = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                scores.append(self._count(value))
             except cf.TimeoutError:
                 scores.append(self.incorrect)
                 self.timeouts += 1
@@ -136,6 +142,13 @@ class VerifierPool:
         if broken and not self.threads:  # worker processes stuck or gone: replace them
             self.close()
         return scores
+
+    def _count(self, value: float) -> float:
+        outcome = outcome_of(value)
+        self.unparsed += outcome == "unparsed"
+        self.errors += outcome == "error"
+        self.timeouts += outcome == "timeout"
+        return float(value)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -241,7 +254,13 @@ class RewardRole(Role):
             self.scored_groups += ref.num_groups
             self.scored_samples += scored.num_rows
             self.reward_sum += float(pc.sum(scored.column("reward")).as_py() or 0.0)
-            self.status.update(state="running", verifier_timeouts=pool.timeouts, **self.progress())
+            self.status.update(
+                state="running",
+                verifier_timeouts=pool.timeouts,
+                verifier_unparsed=pool.unparsed,
+                verifier_errors=pool.errors,
+                **self.progress(),
+            )
 
         def wait() -> None:
             self.status.update(state="waiting", **self.progress())

@@ -10,7 +10,13 @@ Built-in verifiers:
 - ``math``:    `math_verify` parse + verify (boxed answers, fractions vs decimals,
                LaTeX vs plain), under a wall-clock guard because symbolic
                comparison can hang on adversarial input;
-- ``code``:    runs the response's Python against the row's tests in the sandbox.
+- ``code``:    runs the response's Python against the row's tests in the sandbox;
+- ``reasoning_gym``: the reasoning-gym task's own ``score_answer`` on the answer the
+               row's extraction finds (``<answer>`` tags, ``\\boxed{}``, last number).
+
+A verifier may return a `Score`, a float that also says why it is what it is
+(``unparsed``: no answer in the expected format; ``error``: the checker failed;
+``timeout``: it ran out of time); the reward role counts them.
 
 Rewards default to correct=1.0 / incorrect=0.0; AReaL uses +5 / -5 (`RewardScale`).
 A plugin ``package.module:function`` returns its own float (a bool is mapped through
@@ -60,6 +66,27 @@ class RewardScale:
 
     def __call__(self, ok: bool) -> float:
         return float(self.correct if ok else self.incorrect)
+
+
+class Score(float):
+    """A reward with its outcome: ``unparsed``, ``error`` or ``timeout`` (counted by the
+    reward role)."""
+
+    outcome: str
+
+    def __new__(cls, value: float, outcome: str) -> Score:
+        score = super().__new__(cls, value)
+        score.outcome = outcome
+        return score
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Scores cross the reward pool's process boundary.
+        return (Score, (float(self), self.outcome))
+
+
+def outcome_of(value: Any) -> str | None:
+    """The outcome a verifier attached to its reward (None for a plain number)."""
+    return value.outcome if isinstance(value, Score) else None
 
 
 def _preview(text: Any) -> str:
@@ -264,6 +291,51 @@ def code_verifier(
     return verify_code
 
 
+# ------------------------------------------------------------------ reasoning-gym
+
+
+def reasoning_gym_verifier(scale: RewardScale = RewardScale(), timeout_s: float = 10.0) -> Verifier:
+    """The reasoning-gym task's own score of the row's extracted answer.
+
+    A task's score s in [0, 1] (partial credit where the task gives it) maps to
+    ``incorrect + s * (correct - incorrect)``, plus the row's format reward when the
+    answer was found in the expected format. An unparsable response scores the
+    incorrect reward as ``Score(..., "unparsed")``; a checker that raises or runs past
+    `timeout_s` (the reward pool's deadline applies on top) as ``"error"`` or
+    ``"timeout"``.
+    """
+    from sluice.engines.env.problems.reasoning_gym import ROW_KEY, score_response
+
+    def verify_reasoning_gym(row: PromptRow, response_text: str) -> float:
+        if not isinstance(row.get(ROW_KEY), dict):
+            log.warning(
+                "reasoning_gym verifier: row %s has no '%s' field", row.get("prompt_id"), ROW_KEY
+            )
+            return Score(scale.incorrect, "error")
+        if not isinstance(response_text, str):
+            return Score(scale.incorrect, "unparsed")
+        try:
+            score, outcome = call_with_deadline(
+                lambda: score_response(row, response_text), timeout_s
+            )
+        except VerifierTimeout:
+            log.warning(
+                "reasoning_gym verifier timed out after %ss on %s",
+                timeout_s,
+                _preview(response_text),
+            )
+            return Score(scale.incorrect, "timeout")
+        except Exception as exc:
+            log.warning("reasoning_gym verifier failed on %s: %s", _preview(response_text), exc)
+            return Score(scale.incorrect, "error")
+        if outcome is not None:
+            return Score(scale.incorrect, outcome)
+        bonus = float(row[ROW_KEY].get("format_reward") or 0.0)
+        return scale.incorrect + score * (scale.correct - scale.incorrect) + bonus
+
+    return verify_reasoning_gym
+
+
 # ------------------------------------------------------------------ plugins and loading
 
 
@@ -303,7 +375,8 @@ def load_verifier(
     memory_mb: int = 512,
     run_python: Callable[..., SandboxResult] | None = None,
 ) -> Verifier:
-    """A verifier from `spec`: "builtin", "math", "code" or "package.module:function".
+    """A verifier from `spec`: "builtin", "math", "code", "reasoning_gym" or
+    "package.module:function".
 
     `run_python` is the sandbox the `code` verifier runs code in (default: the process
     sandbox).
@@ -316,19 +389,23 @@ def load_verifier(
     scale = RewardScale(correct=correct_reward, incorrect=incorrect_reward)
     if not isinstance(spec, str) or not spec.strip():
         raise VerifierSpecError(
-            "verifier spec must be 'builtin', 'math', 'code' or 'package.module:function'"
+            "verifier spec must be 'builtin', 'math', 'code', 'reasoning_gym' or "
+            "'package.module:function'"
         )
     spec = spec.strip()
     if spec == "builtin":
         return builtin_verifier(scale)
     if spec == "math":
         return math_verifier(scale, timeout_s=timeout_s)
+    if spec == "reasoning_gym":
+        return reasoning_gym_verifier(scale, timeout_s=timeout_s)
     if spec == "code":
         return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb, run_python=run_python)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise VerifierSpecError(
-            f"unknown verifier '{spec}': use 'builtin', 'math', 'code' or an import path 'package.module:function'"
+            f"unknown verifier '{spec}': use 'builtin', 'math', 'code', 'reasoning_gym' or an "
+            "import path 'package.module:function'"
         )
     try:
         module = importlib.import_module(module_name)

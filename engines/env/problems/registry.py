@@ -6,10 +6,12 @@ from typing import Any
 
 from sluice.engines.env.problems.base import Problem
 from sluice.engines.env.problems.longtail import LongTailSum
+from sluice.engines.env.problems.reasoning_gym import ReasoningGymProblem
 from sluice.engines.env.problems.tool_arith import ToolArith
 
-BUILTIN_PROBLEMS: dict[str, type[LongTailSum] | type[ToolArith]] = {
+BUILTIN_PROBLEMS: dict[str, type[LongTailSum] | type[ToolArith] | type[ReasoningGymProblem]] = {
     "longtail_sum": LongTailSum,
+    "reasoning_gym": ReasoningGymProblem,
     "tool_arith": ToolArith,
 }
 

@@ -1,0 +1,107 @@
+"""Config of the ``reasoning_gym`` problem kind (`problem.reasoning_gym`), beside
+`infra/config.py` so that module stays readable.
+
+Task names and settings are checked against reasoning-gym itself when the config is
+validated (imported only when tasks are named, about a second): an unknown task names
+the closest registered ones, a setting the task rejects fails with the task's own
+reason, each in one line. The problem (`engines/env/problems/reasoning_gym.py`) checks
+them again when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Extraction = Literal["answer_tags", "boxed", "last_number"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+
+class ReasoningGymTask(_Section):
+    """One reasoning-gym task of the mix."""
+
+    weight: float = Field(1.0, gt=0)
+    """Mixing weight: the task's share of prompts is weight / (sum of the weights)."""
+    settings: dict[str, Any] = {}
+    """The task's own settings, passed to `reasoning_gym.create_dataset` (e.g. `min_terms: 2` for `chain_sum`); unset ones keep reasoning-gym's defaults."""
+    extraction: Extraction | None = None
+    """How this task's answer is read from a response; None = `problem.reasoning_gym.extraction` (`countdown`'s answer is an expression: not `last_number`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = list(cls.model_fields)
+            for key in data:
+                if key not in fields:
+                    close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+                    hint = f" (did you mean '{close[0]}'?)" if close else ""
+                    raise ValueError(
+                        f"unknown key '{key}' of a task{hint}; a task takes {', '.join(fields)}"
+                    )
+        return data
+
+
+class ReasoningGymConfig(_Section):
+    """Procedural reasoning tasks from reasoning-gym (used when `problem.name` is `reasoning_gym`)."""
+
+    tasks: dict[str, ReasoningGymTask] = {}
+    """reasoning-gym task name -> its weight, settings and extraction, e.g. `{chain_sum: {weight: 2}, leg_counting: {}}`."""
+    instruction: str = "Give the final answer inside <answer></answer> tags."
+    """Text appended (after a blank line) to every question; say the format `extraction` reads. Empty: the question alone."""
+    extraction: Extraction = "answer_tags"
+    """How the final answer is read from a response: `answer_tags` (the last `<answer>...</answer>`), `boxed` (the last `\\boxed{...}`) or `last_number`. A response without one scores `reward.incorrect_reward` and is counted as unparsed."""
+    format_reward: float = Field(0.0, ge=0, le=1)
+    """Bonus added to the reward of a response whose answer is in the expected format, right or wrong: a little pull toward the format early on. 0 = off; keep it small next to `reward.correct_reward`."""
+    dataset_seed: int = Field(0, ge=0)
+    """Seed of every task's dataset: entry i is a function of the task, its settings, this seed and i."""
+    dataset_size: int = Field(100_000, ge=1, le=10**9)
+    """Entries per task that prompts are drawn from (uniformly, by index)."""
+    test_fraction: float = Field(0.1, gt=0, lt=1)
+    """Share of questions (by a hash of their text) held out for evaluation; the train and held-out splits never share a question."""
+
+    @model_validator(mode="after")
+    def _tasks_exist(self) -> ReasoningGymConfig:
+        if not self.tasks:
+            return self
+        from reasoning_gym.factory import DATASETS  # ~1 s: only when tasks are named
+
+        for name, task in self.tasks.items():
+            if name not in DATASETS:
+                close = difflib.get_close_matches(name, list(DATASETS), n=3, cutoff=0.5)
+                hint = f"; closest: {', '.join(close)}" if close else ""
+                raise ValueError(f"unknown reasoning-gym task '{name}'{hint}")
+            config_cls = DATASETS[name][1]
+            known = [f.name for f in dataclasses.fields(config_cls)]
+            known = [k for k in known if k not in ("seed", "size")]
+            for key in task.settings:
+                if key not in known:
+                    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+                    hint = f" (did you mean '{close[0]}'?)" if close else ""
+                    raise ValueError(
+                        f"reasoning-gym task '{name}' has no setting '{key}'{hint}; "
+                        f"its settings: {', '.join(known)}"
+                    )
+            try:
+                config_cls(**task.settings).validate()
+            except (AssertionError, ValueError, TypeError) as exc:
+                raise ValueError(
+                    f"reasoning-gym task '{name}' rejects its settings {task.settings}: {exc}"
+                ) from None
+        return self
+
+
+def problem_options(problem: Any) -> dict[str, Any]:
+    """Keyword options of the problem `problem.name` names (a `ProblemConfig`), for
+    `sluice.engines.env.problems.registry.get_problem`."""
+    if problem.name == "reasoning_gym":
+        return dict(problem.reasoning_gym.model_dump())
+    return {}
