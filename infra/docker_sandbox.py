@@ -38,6 +38,7 @@ from sluice.engines.env.sandbox import (
     make_payload,
     runner_source,
 )
+from sluice.infra.docker_servers import api_timeout_s
 from sluice.infra.lease import pid_alive
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,12 @@ LABEL = "sluice.sandbox"
 (``host:pid``), so a later sandbox on the host removes what a killed one left."""
 IDLE_EXIT_S = 3600
 """A started container nobody sends a run to exits after this long (its owner died)."""
+API_TIMEOUT_S = 120
+"""Seconds one Docker API call may take (the SDK's default is 60). Under the vfs storage
+driver a container starts from its own copy of the ~120 MB base image, seconds when the
+engine is idle and longer on a loaded or just-started one; a run's own deadline is
+enforced apart from this (its wait has its own timeout), so this only bounds how long a
+reward waits on a wedged engine. `DOCKER_CLIENT_TIMEOUT` overrides it."""
 _MAX_OUTPUT_BYTES = 1 << 20
 _WORKDIR = "/work"
 
@@ -119,7 +126,7 @@ class DockerSandbox:
         import docker
 
         try:
-            self.client = client or docker.from_env(timeout=30)
+            self.client = client or docker.from_env(timeout=api_timeout_s(API_TIMEOUT_S))
             self.client.ping()
         except Exception as exc:
             raise SandboxUnavailable(
@@ -206,6 +213,17 @@ class DockerSandbox:
                 self._remove(container)
                 return
             self._pool.put(container)
+
+    def wait_warm(self, timeout_s: float = 120.0) -> bool:
+        """Block until the pool holds ``pool_size`` started containers; False if it does
+        not within ``timeout_s``. A run then takes a started container instead of paying
+        for a cold start (seconds under the vfs storage driver, which copies the image)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pool.qsize() < self.pool_size:
+            if self._closed.is_set() or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _take(self) -> Any:
         try:

@@ -21,6 +21,7 @@ Two engines:
 from __future__ import annotations
 
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,22 @@ SLUICE_IMAGE = "sluice:local"
 LABEL = "sluice.inference-server"
 """Every server container carries this label; its value is the run id, so whatever a
 killed flow left behind is found and removed by run."""
+API_TIMEOUT_S = 600
+"""Seconds one Docker API call may take before the client gives up (the SDK's default
+is 60). With the vfs storage driver (infra/docker/engine.sh) creating a container copies
+the whole image and removing one deletes that copy: measured on a busy 2-core box,
+53-75 s to create a container of the 1.8 GB sluice:local and 11-15 s to remove one, more
+on an engine that has just started. `DOCKER_CLIENT_TIMEOUT` overrides it (in seconds),
+as it does for docker-compose and Prefect's Docker worker."""
+
+
+def api_timeout_s(default: float = API_TIMEOUT_S) -> int:
+    """The Docker client timeout: `DOCKER_CLIENT_TIMEOUT` when set, else `default`."""
+    raw = os.environ.get("DOCKER_CLIENT_TIMEOUT", "").strip()
+    try:
+        return max(1, int(float(raw))) if raw else int(default)
+    except ValueError as exc:
+        raise ValueError(f"DOCKER_CLIENT_TIMEOUT must be seconds, got {raw!r}") from exc
 
 
 class ServerLaunchError(RuntimeError):
@@ -131,11 +148,13 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def docker_client() -> Any:
+def docker_client(timeout_s: float | None = None) -> Any:
+    """A client of the Docker engine in the environment (`DOCKER_HOST`), checked with a
+    ping; each call waits up to `timeout_s` (default `api_timeout_s()`)."""
     import docker
 
     try:
-        client = docker.from_env(timeout=60)
+        client = docker.from_env(timeout=int(timeout_s or api_timeout_s()))
         client.ping()
     except Exception as exc:
         raise ServerLaunchError(

@@ -11,16 +11,22 @@ directory byte for byte from its seed and records what it is:
 Byte-for-byte needs the same arithmetic: the build pins torch to one intra-op thread
 (a different thread count changes the order of float reductions), fixes every seed, and
 trains for a fixed number of steps rather than until an accuracy check passes, so no
-evaluation sits on the path from seed to bytes. Same torch build and CPU family give
-the same bytes; `SHA256SUMS` records them, and a unit test checks both the shipped
-files and that the first steps of a rebuild reproduce a recorded digest.
+evaluation sits on the path from seed to bytes. Same torch build and CPU give the same
+bytes; `SHA256SUMS` records them. Another CPU does not: torch picks its vectorised
+kernels (AVX2, AVX-512, none) and MKL its GEMM code by CPU, and each rounds differently.
+So the first steps of a rebuild are checked two ways (tests/unit/test_shipped_policy.py):
+bit for bit against `PREFIX_CHECK_SHA256` on the machine that recorded it
+(`PREFIX_CHECK_MACHINE`), and everywhere against `PREFIX_CHECK_FINGERPRINT`, float64
+norms of a few weight tensors and the mean loss, within `PREFIX_CHECK_RTOL`:
+
+    python -m sluice.engines.policy.shipped_policy prefix    # this machine's key, digest, fingerprint
 
 What it is: 2,100 supervised steps on the built-in task's warm-start corpus, which
 mixes worked running sums with bare answers (engines/env/problems/longtail.py). The policy blurts a
 bare answer about 60% of the time (right ~6% of the time) and works the sum out the
 rest (right ~26%), so RL has a strategy to discover and a long way to climb. The step
 count was chosen by running RL from snapshots along one warm-start run; the
-measurements are in the README.
+measurements are in docs/reports/2026-11-24-default-run.md.
 """
 
 from __future__ import annotations
@@ -93,8 +99,66 @@ BUILD = ShippedBuild()
 
 PREFIX_CHECK_STEPS = 40
 """Steps of the short rebuild a unit test runs to check the build is still deterministic."""
-PREFIX_CHECK_SHA256 = "d3a83f8be0a88b275d45c48ebf0b3b4b5619958a635bcd443c24e299a11d5045"
-"""sha256 of model.safetensors after PREFIX_CHECK_STEPS steps of BUILD, one torch thread."""
+PREFIX_CHECK_MACHINE = "x86_64 AMD EPYC | AVX2 | torch 2.13.0+cpu"
+"""`machine_key()` of the machine that recorded PREFIX_CHECK_SHA256 (a 2-core AMD EPYC)."""
+PREFIX_CHECK_SHA256 = "39ac79d91a27a2623e8dae0b455649fc6b7adb5555693750397995af91c2c0fb"
+"""sha256 of model.safetensors after PREFIX_CHECK_STEPS steps of BUILD, one torch thread,
+on PREFIX_CHECK_MACHINE. Another CPU or torch build rounds differently: other bytes."""
+PREFIX_CHECK_FINGERPRINT: dict[str, float] = {
+    "model.embed_tokens.weight": 4.236598418,
+    "model.layers.0.self_attn.q_proj.weight": 2.904104019,
+    "model.layers.0.mlp.down_proj.weight": 5.227732928,
+    "model.layers.1.mlp.up_proj.weight": 4.908194689,
+    "model.layers.2.self_attn.v_proj.weight": 2.703560748,
+    "model.layers.3.self_attn.k_proj.weight": 2.845197717,
+    "model.layers.3.mlp.gate_proj.weight": 4.755641701,
+    "model.norm.weight": 11.76530674,
+    "mean_loss": 3.132201028,
+}
+"""`prefix_fingerprint()` of the same 40-step weights: float64 L2 norms of tensors from
+every layer and kind, and the mean supervised loss of the 40 steps."""
+PREFIX_CHECK_RTOL = 1e-5
+"""Relative tolerance of the fingerprint on any CPU. Measured on PREFIX_CHECK_MACHINE:
+torch's scalar kernels (ATEN_CPU_CAPABILITY=default) or MKL's reproducible mode
+(MKL_CBWR=COMPATIBLE) give other bytes and move these numbers by at most 2e-7, while
+a 1% higher learning rate moves one of them by 4e-3 (the loss by 4e-4), and two
+batches trading places or the data stream shifted by one batch move one by 7-8e-3."""
+
+
+def machine_key() -> str:
+    """What decides the bytes of a build besides the recipe: CPU model, the vectorised
+    kernels torch chose for it (`torch.backends.cpu.get_cpu_capability()`) and torch."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()} {model} | {capability} | torch {torch.__version__}"
+
+
+def prefix_fingerprint(directory: str | Path) -> dict[str, float]:
+    """The PREFIX_CHECK_FINGERPRINT quantities of the build in `directory`."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    weights = load_file(Path(directory) / "model.safetensors")
+    out = {
+        name: float(np.linalg.norm(weights[name].astype(np.float64).ravel()))
+        for name in PREFIX_CHECK_FINGERPRINT
+        if name != "mean_loss"
+    }
+    record = json.loads((Path(directory) / BUILD_FILE).read_text())
+    losses = [loss for _, loss in record["loss_curve"]]
+    out["mean_loss"] = float(np.mean(losses))
+    return out
 
 
 def file_digests(directory: str | Path) -> dict[str, str]:
@@ -199,7 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         "--install", action="store_true", help="replace the shipped directory with the build"
     )
     sub.add_parser("verify", help="check the shipped files against SHA256SUMS")
+    sub.add_parser(
+        "prefix", help="build PREFIX_CHECK_STEPS steps; print machine key, digest, fingerprint"
+    )
     args = parser.parse_args(argv)
+    if args.command == "prefix":
+        with tempfile.TemporaryDirectory(prefix="sluice-prefix-") as scratch:
+            out = build(Path(scratch) / "prefix", steps=PREFIX_CHECK_STEPS, num_eval_prompts=4)
+            print(f"machine: {machine_key()}")
+            print(f"sha256: {file_digests(out)['model.safetensors']}")
+            for name, value in prefix_fingerprint(out).items():
+                print(f"{name}: {value:.10g}")
+        return 0
     if args.command == "verify":
         bad = verify()
         print("shipped policy OK" if not bad else f"differs from SHA256SUMS: {', '.join(bad)}")

@@ -24,8 +24,9 @@ if ! docker info >/dev/null 2>&1; then
   fi
   nohup dockerd --iptables=false --bridge=none --storage-driver=vfs \
     >"${TMPDIR:-/tmp}/sluice-dockerd.log" 2>&1 &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || fail "dockerd did not answer in 60 s (see ${TMPDIR:-/tmp}/sluice-dockerd.log)"
+  # A fresh machine's first start sets up the engine's state: give it two minutes.
+  for _ in $(seq 120); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || fail "dockerd did not answer in 120 s (see ${TMPDIR:-/tmp}/sluice-dockerd.log)"
 fi
 
 # Compose for the stack's test (tests/integration/test_compose_stack.py): Debian's is

@@ -21,11 +21,9 @@ pytestmark = [pytest.mark.flows, pytest.mark.docker]
 def kill_server_when_generating(config, run_id: str, killed: list[str], stop: threading.Event):
     """Kill the run's server container once it has loaded a policy version past the first
     (so the restarted one, which starts from the first, must be brought forward)."""
-    import docker
+    from sluice.infra.docker_servers import LABEL, docker_client
 
-    from sluice.infra.docker_servers import LABEL
-
-    client = docker.from_env()
+    client = docker_client()  # sized for a cold vfs engine, as the run's own client
     paths = run_paths(config, run_id)
     while not stop.is_set():
         if read_statuses(config, paths).get("rollout", {}).get("weight_updates", 0) >= 1:
@@ -36,15 +34,22 @@ def kill_server_when_generating(config, run_id: str, killed: list[str], stop: th
         time.sleep(0.2)
 
 
+@pytest.fixture
+def run_id():
+    """The run's id; whatever containers of it a failed test left are removed after it
+    (the run itself must leave none: the test asserts that before this runs)."""
+    from sluice.infra.docker_servers import remove_run_servers
+
+    yield "served"
+    remove_run_servers("served")
+
+
 def test_rollouts_go_through_a_server_container_that_is_restarted_after_a_kill(
-    prefect_api, sluice_image, tmp_path
+    prefect_api, sluice_image, tmp_path, run_id
 ):
-    import docker
-
     from sluice.flows.train import train
-    from sluice.infra.docker_servers import LABEL
+    from sluice.infra.docker_servers import LABEL, docker_client
 
-    run_id = "served"
     config = load_config(
         "default",
         tiny_run_overrides(tmp_path, **{"servers.launch": "docker", "trainer.total_steps": 30}),
@@ -83,5 +88,5 @@ def test_rollouts_go_through_a_server_container_that_is_restarted_after_a_kill(
     assert "POST /generate" not in after_restart[:first_update]
     assert "POST /generate" in after_restart[first_update:]
 
-    left = docker.from_env().containers.list(all=True, filters={"label": f"{LABEL}={run_id}"})
+    left = docker_client().containers.list(all=True, filters={"label": f"{LABEL}={run_id}"})
     assert left == []

@@ -2,11 +2,18 @@
 
 ``moto_s3`` runs moto's S3 server in a thread on 127.0.0.1 (a real HTTP endpoint, so s3fs
 and boto3 talk the S3 protocol to it exactly as they would to AWS or MinIO).
+
+A test that starts a process (a server, a worker, `sluice train`, a role) starts it in a
+session of its own (``start_new_session=True``) and ends it with ``stop_process_group``
+in a ``finally`` or a fixture's teardown, so a failing test leaves nothing running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +22,23 @@ from typing import Any
 import pytest
 
 BUCKET = "sluice-integration"
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """End `process` and everything it started: SIGTERM to its process group, SIGKILL to
+    whatever is left of the group after `grace_s` (children that outlived their parent
+    included). `process` must lead its own group (``start_new_session=True``), never the
+    test's. Never raises, so it is safe in a ``finally`` after a failed assertion."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(grace_s)
+    # A group outlives its leader while any member lives, and its id is not reused
+    # before then, so this reaches only what the process started.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(10)
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,21 @@ def stack(sluice_image):
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (bash infra/docker/engine.sh installs it)")
     subprocess.run(["bash", "infra/docker/image.sh", "s3"], cwd=REPO, check=True, timeout=900)
+    from sluice.infra.docker_servers import api_timeout_s
+
     project = f"sluice-test-{uuid.uuid4().hex[:6]}"
+    # Compose's client gives up on an API call after 60 s by default: less than creating
+    # a container of sluice:local takes under the vfs storage driver (a copy of the image).
+    client_timeout_s = str(api_timeout_s())
     env = dict(
         os.environ,
         COMPOSE_PROJECT_NAME=project,
         SLUICE_IMAGE=sluice_image,
         MINIO_IMAGE="sluice-s3:local",
+        COMPOSE_HTTP_TIMEOUT=client_timeout_s,
     )
 
-    def compose(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def compose(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["docker-compose", "-f", str(COMPOSE_FILE), *args],
             cwd=REPO,
@@ -48,12 +54,12 @@ def stack(sluice_image):
             timeout=timeout,
         )
 
-    up = compose("up", "-d", "--no-build", "prefect-server", "mlflow", "create-bucket")
     try:
+        up = compose("up", "-d", "--no-build", "prefect-server", "mlflow", "create-bucket")
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         yield compose
-    finally:
-        compose("down", "-v", "--remove-orphans", timeout=300)
+    finally:  # also after `up` failed or timed out half-way
+        compose("down", "-v", "--remove-orphans", timeout=900)
 
 
 def test_sluice_trains_through_the_stack_prefect_mlflow_and_s3(stack) -> None:

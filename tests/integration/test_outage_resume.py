@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.benchmarks.bench_load import S3_ENV, S3Server
+from tests.integration.conftest import stop_process_group
 from tests.soak.soak import MlflowServer, soak_overrides
 
 pytestmark = pytest.mark.integration
@@ -26,7 +27,9 @@ OUTAGE_TIMEOUT_S = 6
 
 
 class Cli:
-    """`sluice train` as a user runs it, its output collected line by line."""
+    """`sluice train` as a user runs it, its output collected line by line. It leads a
+    process group of its own (its roles and ephemeral Prefect server are in it), which
+    `stop` ends."""
 
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
         self.lines: list[str] = []
@@ -36,6 +39,7 @@ class Cli:
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -48,10 +52,14 @@ class Cli:
         try:
             code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.stop()
             pytest.fail("sluice train did not end:\n" + "\n".join(self.lines[-60:]))
         self._reader.join(30)
         return code
+
+    def stop(self) -> None:
+        """End the run and everything it started, whatever state it is in."""
+        stop_process_group(self.process, grace_s=10)
 
     def output(self) -> str:
         return "\n".join(self.lines)
@@ -88,8 +96,10 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
 
     os.environ.update(S3_ENV)
     s3 = S3Server()
-    mlflow = MlflowServer(tmp_path)
+    mlflow = None
+    runs: list[Cli] = []
     try:
+        mlflow = MlflowServer(tmp_path)
         overrides = soak_overrides(tmp_path, s3, mlflow, STEPS)
         storage = {
             "client_kwargs": s3.options()["client_kwargs"],
@@ -119,6 +129,7 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
         args = [part for o in overrides for part in ("--set", o)]
 
         first = Cli(args, tmp_path, env)
+        runs.append(first)
         deadline = time.monotonic() + 120
         while not (
             found := [m for x in first.lines if (m := re.search(r"starting run (\S+):", x))]
@@ -142,6 +153,7 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
         assert stopped_at.versions == list(range(len(stopped_at.versions)))
 
         second = Cli([*args, "--resume", run_id], tmp_path, env)
+        runs.append(second)
         _wait_for_step(second, config, run_id, stopped_at.versions[-1] + 2)
         mlflow.stop()  # refused, and stays down until the run stops
         try:
@@ -154,9 +166,13 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
         assert line.startswith(f"sluice: error: run {run_id} stopped: the tracking server "), line
 
         third = Cli([*args, "--resume", run_id], tmp_path, env)
+        runs.append(third)
         assert third.wait(300) == 0, third.output()[-4000:]
         audit = audit_run(config, run_id)
         assert audit.problems() == [], audit.problems()
     finally:
-        mlflow.stop()
+        for cli in runs:  # a failed assertion leaves no run behind
+            cli.stop()
+        if mlflow is not None:
+            mlflow.stop()
         s3.close()

@@ -20,18 +20,21 @@ from sluice.tasks.run.paths import registered_model_name, run_paths
 from sluice.tasks.run.prepare import ensure_version_zero
 from sluice.tasks.run.status import read_statuses
 from tests.flows.conftest import tiny_run_overrides
+from tests.integration.conftest import stop_process_group
 
 pytestmark = pytest.mark.integration
 ROLES = ("rollout", "reward", "train")
 
 
 def start(role, config_path, run_id, mlflow_run_id, log_dir):
-    log = open(log_dir / f"{role}.log", "ab")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(
-        role_command(role, str(config_path), run_id, mlflow_run_id),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    """A role as its own process group (what it starts goes with it at the end)."""
+    with open(log_dir / f"{role}.log", "ab") as log:
+        return subprocess.Popen(
+            role_command(role, str(config_path), run_id, mlflow_run_id),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def wait_for(predicate, timeout_s, what):
@@ -57,8 +60,12 @@ def test_sigkill_and_restart_of_a_role_loses_nothing_and_trains_nothing_twice(tm
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
 
-    procs = {role: start(role, config_path, run_id, mlflow_run_id, log_dir) for role in ROLES}
+    procs = {}
+    started = []  # every process, the killed one included: its children may live on
     try:
+        for role in ROLES:
+            procs[role] = start(role, config_path, run_id, mlflow_run_id, log_dir)
+            started.append(procs[role])
         wait_for(
             lambda: read_statuses(config, paths).get("train", {}).get("step", 0) >= 2,
             240,
@@ -67,12 +74,12 @@ def test_sigkill_and_restart_of_a_role_loses_nothing_and_trains_nothing_twice(tm
         procs[victim].send_signal(signal.SIGKILL)
         procs[victim].wait()
         procs[victim] = start(victim, config_path, run_id, mlflow_run_id, log_dir)
+        started.append(procs[victim])
         for role, proc in procs.items():
             assert proc.wait(timeout=300) == 0, (log_dir / f"{role}.log").read_text()[-3000:]
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+        for proc in started:
+            stop_process_group(proc, grace_s=5)
 
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, run_id))
     versions = registry.versions()

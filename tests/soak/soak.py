@@ -27,6 +27,7 @@ it up:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -95,11 +96,17 @@ class MlflowServer:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        _wait_http(f"{self.url}/health", 120, self.process)
+        try:
+            _wait_http(f"{self.url}/health", 120, self.process)
+        except BaseException:
+            self.stop()  # one that never answered is not left running
+            raise
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the server and its workers
+        if self.process is not None:
+            # The server and its workers, which may outlive a server that already exited.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
 
@@ -221,11 +228,13 @@ def run_soak(
     rng = random.Random(seed)
     os.environ.update(S3_ENV)
     s3 = S3Server()
-    mlflow = MlflowServer(root)
+    mlflow: MlflowServer | None = None
+    flow: subprocess.Popen[bytes] | None = None
     plan_path = root / "failpoints.json"
     plan_path.write_text("{}")
     result = SoakResult()
     try:
+        mlflow = MlflowServer(root)
         overrides = soak_overrides(root, s3, mlflow, steps)
         config = load_config("default", overrides)
         driver = Driver(config, s3, mlflow, plan_path)
@@ -241,8 +250,14 @@ def run_soak(
         command = [sys.executable, "-m", "sluice.flows.cli", "train"]
         command += [part for o in overrides for part in ("--set", o)]
         started = time.monotonic()
+        # Its own process group: the roles and its Prefect server go with it at the end.
         flow = subprocess.Popen(
-            command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            command,
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         lines: list[str] = []
         reader = threading.Thread(
@@ -295,7 +310,15 @@ def run_soak(
                     fault.recovered = final.get(role, {}).get("pid") not in (None, fault.pid)
             result.audit = audit_run(config, run_id)
     finally:
-        mlflow.stop()
+        if flow is not None:  # whatever of the run is left after an error in the driver
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(flow.pid, signal.SIGKILL)
+            flow.wait()
+        if mlflow is not None:
+            mlflow.stop()
+        # An outage an error cut short leaves the server stopped: let close() end it.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s3.process.pid, signal.SIGCONT)
         s3.close()
     return result
 

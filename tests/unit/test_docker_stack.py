@@ -94,3 +94,56 @@ def test_dockerfile_builds_on_slim_python_with_the_lock_and_cpu_torch():
     for line in re.findall(r"^COPY (.+)$", dockerfile, re.M):
         for source in line.split()[:-1]:  # the build context is the repository root
             assert (DOCKER.parents[1] / source).exists(), f"COPY {source}: no such path"
+
+
+def test_the_dockerfile_copies_the_package_and_every_folder_it_links_to():
+    import tomllib
+
+    root = DOCKER.parents[1]
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    copied = {
+        source.rstrip("/")
+        for line in re.findall(r"^COPY (.+)$", dockerfile, re.M)
+        for source in line.split()[:-1]
+    }
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    where = project["tool"]["setuptools"]["packages"]["find"].get("where", ["."])
+    package = root / where[0] / "sluice"
+    linked = {
+        entry.resolve().relative_to(root).parts[0]
+        for entry in package.iterdir()
+        if entry.is_symlink()
+    }
+    assert linked, f"{package} links to no folder"
+    needed = linked | {package.relative_to(root).parts[0]}
+    assert needed <= copied, f"the Dockerfile does not COPY {sorted(needed - copied)}"
+
+
+def test_docker_files_name_modules_through_the_sluice_package():
+    # `python -m infra.x`, `"-m", "infra.x"`, `import flows`, `from tasks import ...`
+    bare = re.compile(r'(-m"?,? *"?|\bimport |\bfrom )(engines|infra|tasks|flows)\b')
+    files = [
+        *DOCKER.iterdir(),
+        DOCKER.parent / "docker_servers.py",
+        DOCKER.parent / "docker_sandbox.py",
+    ]
+    for path in files:
+        if path.is_file():
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                assert not bare.search(line), f"{path.name}:{number}: {line.strip()}"
+
+
+def test_docker_clients_outwait_a_container_create_on_vfs(monkeypatch):
+    from sluice.infra import docker_sandbox, docker_servers
+
+    # The SDK's default (60 s) is less than creating a container of sluice:local takes
+    # on a cold vfs engine; the sandbox's small image needs less.
+    monkeypatch.delenv("DOCKER_CLIENT_TIMEOUT", raising=False)
+    assert docker_servers.api_timeout_s() >= 300
+    assert docker_servers.api_timeout_s(docker_sandbox.API_TIMEOUT_S) >= 60
+    monkeypatch.setenv("DOCKER_CLIENT_TIMEOUT", "900")
+    assert docker_servers.api_timeout_s() == 900
+    assert docker_servers.api_timeout_s(docker_sandbox.API_TIMEOUT_S) == 900
+    monkeypatch.setenv("DOCKER_CLIENT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="DOCKER_CLIENT_TIMEOUT must be seconds"):
+        docker_servers.api_timeout_s()
