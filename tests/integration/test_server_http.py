@@ -381,7 +381,11 @@ def test_cli_module_serves(served: Served, tmp_path: Path) -> None:
         assert len(out["output_ids"]) == 3
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a server that ignores SIGTERM is not left behind
+            process.kill()
+            process.wait()
 
 
 def test_text_prompts_use_the_model_directorys_tokenizer(served: Served, tmp_path: Path) -> None:
