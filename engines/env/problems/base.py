@@ -17,6 +17,7 @@ prompt is ever trained on, however many prompts are drawn.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -99,6 +100,18 @@ def final_answer_is(row: PromptRow, response_text: str) -> bool:
 MAX_SPLIT_ATTEMPTS = 2000
 """Redraws a sampler may spend to land a prompt in the wanted split before it says the
 prompt space is too small (a hang otherwise)."""
+
+
+def draw_in_split(
+    draw: Callable[[], PromptRow], key: str, split: Split, test_fraction: float, refusal: str
+) -> PromptRow:
+    """`draw()` again until its row's `key` text lands in `split`; after
+    `MAX_SPLIT_ATTEMPTS` draws, ValueError(`refusal`): the prompt space is too small."""
+    for _attempt in range(MAX_SPLIT_ATTEMPTS):
+        row = draw()
+        if split_of(row[key], test_fraction) == split:
+            return row
+    raise ValueError(refusal)
 
 
 def check_split(split: str) -> None:

@@ -39,6 +39,7 @@ import math
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -52,8 +53,8 @@ from sluice.engines.env.problems.base import (
     as_generator,
     check_count,
     check_split,
+    draw_in_split,
     final_answer_is,
-    split_of,
     stable_hash,
 )
 
@@ -153,18 +154,19 @@ class LongTailSum:
             k = draw_terms(rng)
             # Redraw digits, never the size, until the prompt lands in the wanted split:
             # the split filter must not bend the size distribution.
-            for _attempt in range(MAX_SPLIT_ATTEMPTS):
-                digits = rng.integers(0, self.max_digit + 1, size=k).tolist()
-                row = self.make_row(digits)
-                if split_of(row["prompt"], self.test_fraction) == split:
-                    break
-            else:
-                raise ValueError(
-                    f"longtail_sum: no {split} prompt with {k} terms found in {MAX_SPLIT_ATTEMPTS} draws; "
-                    "raise max_digit or min_terms so each size has more distinct prompts"
-                )
+            row = draw_in_split(
+                partial(self._draw_digits, rng, k),
+                "prompt",
+                split,
+                self.test_fraction,
+                f"longtail_sum: no {split} prompt with {k} terms found in {MAX_SPLIT_ATTEMPTS} "
+                "draws; raise max_digit or min_terms so each size has more distinct prompts",
+            )
             rows.append(row)
         return rows
+
+    def _draw_digits(self, rng: np.random.Generator, k: int) -> PromptRow:
+        return self.make_row(rng.integers(0, self.max_digit + 1, size=k).tolist())
 
     def sample_prompts(self, n: int, seed: SeedLike, split: Split = "train") -> list[PromptRow]:
         """`n` rows with long-tailed term counts from the `split` half of the prompt space."""

@@ -36,14 +36,13 @@ import numpy as np
 
 from sluice.engines.env.answers import EXTRACTIONS, extract_answer, format_answer
 from sluice.engines.env.problems.base import (
-    MAX_SPLIT_ATTEMPTS,
     PromptRow,
     SeedLike,
     Split,
     as_generator,
     check_count,
     check_split,
-    split_of,
+    draw_in_split,
 )
 
 ROW_KEY = "reasoning_gym"
@@ -202,14 +201,19 @@ class ReasoningGymProblem:
         rows = []
         for _ in range(n):
             task = self.tasks[int(rng.choice(len(self.tasks), p=self.weights))]
-            for _attempt in range(MAX_SPLIT_ATTEMPTS):
-                row = self.make_row(task, int(rng.integers(self.dataset_size)))
-                if split_of(row["question"], self.test_fraction) == split:
-                    break
-            else:
-                raise ValueError(f"reasoning-gym task '{task.name}': no {split} question found")
-            rows.append(row)
+            rows.append(
+                draw_in_split(
+                    functools.partial(self._draw_entry, task, rng),
+                    "question",
+                    split,
+                    self.test_fraction,
+                    f"reasoning-gym task '{task.name}': no {split} question found",
+                )
+            )
         return rows
+
+    def _draw_entry(self, task: Any, rng: np.random.Generator) -> PromptRow:
+        return self.make_row(task, int(rng.integers(self.dataset_size)))
 
     def sample_prompts(self, n: int, seed: SeedLike, split: Split = "train") -> list[PromptRow]:
         """`n` rows of `split`: a task by weight, then an entry index, per row."""

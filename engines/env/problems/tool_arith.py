@@ -31,15 +31,14 @@ import numpy as np
 
 from sluice.engines.env.problems.base import (
     ANSWER_MARKER,
-    MAX_SPLIT_ATTEMPTS,
     PromptRow,
     SeedLike,
     Split,
     as_generator,
     check_count,
     check_split,
+    draw_in_split,
     final_answer_is,
-    split_of,
     stable_hash,
 )
 
@@ -89,15 +88,14 @@ class ToolArith:
 
     def _sample(self, n: int, rng: np.random.Generator, split: Split) -> list[PromptRow]:
         rows = []
+
+        def draw() -> PromptRow:
+            a, b, c = (int(x) for x in rng.integers(self.low, self.high + 1, size=3))
+            return self.make_row(a, b, c, int(rng.integers(len(SHAPES))))
+
         for _ in range(n):
-            for _attempt in range(MAX_SPLIT_ATTEMPTS):
-                a, b, c = (int(x) for x in rng.integers(self.low, self.high + 1, size=3))
-                row = self.make_row(a, b, c, int(rng.integers(len(SHAPES))))
-                if split_of(row["prompt"], self.test_fraction) == split:
-                    break
-            else:
-                raise ValueError(f"tool_arith: no {split} prompt found; widen low..high")
-            rows.append(row)
+            refusal = f"tool_arith: no {split} prompt found; widen low..high"
+            rows.append(draw_in_split(draw, "prompt", split, self.test_fraction, refusal))
         return rows
 
     def sample_prompts(self, n: int, seed: SeedLike, split: Split = "train") -> list[PromptRow]:
