@@ -139,7 +139,30 @@ def _build_gpt_model(hf_config: Any, params_dtype: torch.dtype, device: str) -> 
             hf_config, parallel_state.get_tensor_model_parallel_world_size()
         ),
     )
+    pad_token_id = getattr(hf_config, "pad_token_id", None)
+    if model.pre_process and pad_token_id is not None:
+        model.embedding.word_embeddings.register_forward_hook(_padding_lookups_hook(pad_token_id))
     return model.to(device)
+
+
+def _padding_lookups_hook(pad_token_id: int) -> Any:
+    """A forward hook on the word embeddings: where the input is the pad token, the
+    looked-up vector passes on its value but no gradient, as Hugging Face's
+    ``nn.Embedding(padding_idx=pad_token_id)`` does.
+
+    The torch backend trains the HF model, whose pad row never learns from its lookups
+    (it still learns as the tied output row). A chat model may pad with a real token
+    (SmolLM2 pads with ``<|im_end|>``, which ends every turn), so without this the two
+    backends would update that row differently.
+    """
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+        input_ids = args[0]
+        if output.shape[:-1] != input_ids.shape:  # sequence parallel scatters; unused here
+            return None
+        return torch.where((input_ids == pad_token_id)[..., None], output.detach(), output)
+
+    return hook
 
 
 def load_hf_policy(model_dir: str | Path, **kwargs: Any) -> tuple[GPTModel, Any]:

@@ -80,11 +80,14 @@ def test_megatron_log_probs_match_hugging_face_on_a_packed_batch(policy_dir: Pat
 
 
 def test_megatron_gradients_match_hugging_face_after_conversion(policy_dir: Path) -> None:
-    """The same loss on both models gives the same gradient, in HF's layout."""
+    """The same loss on both models gives the same gradient, in HF's layout.
+
+    The padding token (2 in the Llama's config) is among the inputs: HF's embedding
+    gives the pad row no gradient from its lookups, and Megatron's must not either."""
     model, hf_config = megatron_model.load_hf_policy(policy_dir)
     hf = AutoModelForCausalLM.from_pretrained(policy_dir)
     hf.set_attn_implementation(register_packed_attention())
-    packed = pack_sequences([torch.arange(3, 14), torch.arange(20, 29)])
+    packed = pack_sequences([torch.arange(3, 14), torch.tensor([20, 21, 2, 22, 23, 2, 24, 25])])
     targets = packed.input_ids[0, 1:]
 
     def loss_of(logits: torch.Tensor) -> torch.Tensor:
