@@ -235,6 +235,14 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
         # Resuming under other storage, tracking or batch settings would silently start
         # a different run, so the run's own saved config wins over CONFIG.
         _, config = resolve_run(config, args.resume, args.overrides)
+    elif config.model.path and args.command in ("train", "bench"):
+        # A resumed run's version 0 is already committed; a new one must be trainable.
+        from sluice.engines.policy.model_dir import ModelDirError, check_model_dir
+
+        try:
+            check_model_dir(config.model.path, config.model.chat_template)
+        except ModelDirError as err:
+            raise ConfigError(str(err)) from None
     return args, config
 
 
@@ -352,6 +360,11 @@ def format_eval_result(result: dict[str, Any]) -> str:
         ("model version", f"{result['model_version']} of {result['registered_model']}"),
         ("held-out reward", f"{result['eval/reward']:.4f}"),
         ("pass@1", f"{result['eval/pass_at_1']:.4f}"),
+        *(
+            (f"pass@{key.removeprefix('eval/pass_at_')}", f"{value:.4f}")
+            for key, value in result.items()
+            if key.startswith("eval/pass_at_") and key != "eval/pass_at_1"
+        ),
         (
             "prompts x samples",
             f"{int(result['eval/prompts'])} x {result['samples_per_prompt']}",

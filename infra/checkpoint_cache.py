@@ -5,7 +5,9 @@ for a process to load. A remote checkpoint is downloaded into
 ``{cache_dir}/{manifest digest[:24]}``, every sha256 checked while streaming, and
 renamed into place, so a worker that sees the same weights twice (the same version, or
 two URLs with identical weights) downloads once. With ``keep_latest`` each fetch then
-prunes the cache to the most recently fetched copies.
+prunes the cache to the most recently fetched copies. With ``select`` only the files a
+reader needs come down (the tokenizer without the weights, the policy without the
+trainer state of an old checkpoint); the copy is keyed by the digest of that part.
 
 A copy in use is never pruned. The evaluate role, ``sluice eval`` and the time-to-target
 benchmark share one evaluation cache, so without this one process's pruning could delete
@@ -38,7 +40,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ def fetch_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     *,
     keep_latest: int | None = None,
+    select: Callable[[str], bool] | None = None,
 ) -> Path:
     """A verified local copy of the checkpoint at `url`; return its directory.
 
@@ -85,14 +88,23 @@ def fetch_checkpoint(
     from `cache_dir` (see the module docstring). With `keep_latest` (>= 1) the cache is
     then pruned to that many most recently fetched copies, plus any copy another process
     still holds (`prune_checkpoint_cache`); the copy returned is never pruned.
+
+    `select`, a predicate on file names ('/'-separated, relative to the checkpoint),
+    fetches (and, for a local URL, checks) only the files it accepts; the copy's own
+    manifest lists just those, and its folder is named by their digest. Nothing else of
+    the checkpoint is read.
     """
     if keep_latest is not None and keep_latest < 1:
         raise CheckpointError(f"keep_latest must be >= 1 when fetching, got {keep_latest}")
     fs, path = open_checkpoint_fs(url, storage_options)
     if is_local(fs):
-        verify_checkpoint(url, check_hashes=False)
+        verify_checkpoint(url, check_hashes=False, select=select)
         return Path(path)
     manifest = read_manifest(url, storage_options)
+    if select is not None:
+        manifest = manifest.model_copy(
+            update={"files": tuple(e for e in manifest.files if select(e.name))}
+        )
     cache_root = Path(cache_dir)
     target = cache_root / manifest.digest[:24]
     canonical = url_of(fs, path)

@@ -19,7 +19,9 @@ Departures from a plain ``save_pretrained``:
   trainer that crashed after uploading can simply retry).
 
 Reading a checkpoint back onto local disk, through a digest-keyed cache, is
-``sluice.infra.checkpoint_cache.fetch_checkpoint``.
+``sluice.infra.checkpoint_cache.fetch_checkpoint``; deleting one (retention) is
+``delete_checkpoint``, manifest first, so a reader meets "incomplete", never a
+checkpoint that looks whole with files missing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -260,6 +262,7 @@ def verify_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     *,
     check_hashes: bool = True,
+    select: Callable[[str], bool] | None = None,
 ) -> Manifest:
     """Check that the checkpoint at `url` is complete; return its manifest.
 
@@ -268,11 +271,15 @@ def verify_checkpoint(
     or (with `check_hashes`) different content. `check_hashes=False` checks presence and
     sizes only: one metadata request per file instead of reading every byte back, which
     is what matters for multi-GB checkpoints on S3 (truncation still shows as a short file).
+    `select` (a predicate on file names) checks only the files it accepts: a reader that
+    needs the tokenizer is not stopped by a damaged weight file it never opens.
     """
     manifest = read_manifest(url, storage_options)
     fs, path = open_checkpoint_fs(url, storage_options)
     with storage_errors(url, "verify"):
         for entry in manifest.files:
+            if select is not None and not select(entry.name):
+                continue
             file_path = f"{path}/{entry.name}"
             try:
                 size = int(fs.info(file_path)["size"])
@@ -360,6 +367,7 @@ def save_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     *,
     metadata: Mapping[str, Any] | None = None,
+    replace: bool = False,
 ) -> str:
     """Upload the Hugging Face directory `local_dir` to `url`; return the canonical URL.
 
@@ -367,7 +375,9 @@ def save_checkpoint(
     `url` is `local_dir` itself the directory is sealed in place (only the manifest is
     written). Saving identical content again returns at once; different content at a URL
     that already holds a complete checkpoint raises CheckpointError (checkpoints are
-    immutable). `metadata` (e.g. policy version) is stored in the manifest as strings.
+    immutable), unless `replace`: then that checkpoint is deleted first. Pass it only for
+    a URL no committed version refers to (the leftover of an attempt that died before
+    its commit). `metadata` (e.g. policy version) is stored in the manifest as strings.
 
     The returned URL is absolute and protocol-qualified (``file:///abs/path``,
     ``s3://bucket/key``, ``memory:///key``), ready to be registered.
@@ -381,6 +391,9 @@ def save_checkpoint(
     try:
         existing: Manifest | None = read_manifest(url, storage_options)
     except CheckpointIncomplete:
+        existing = None
+    if existing is not None and existing.digest != manifest.digest and replace:
+        delete_checkpoint(url, storage_options)
         existing = None
     if existing is not None:
         if existing.digest != manifest.digest:
@@ -408,3 +421,27 @@ def save_checkpoint(
                 # weights, are moved aside so the rename can land.
                 replace_directory(staging, Path(path))
     return canonical
+
+
+# ---------------------------------------------------------------- delete
+
+
+def delete_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Delete the checkpoint at `url`, manifest first; False when there was nothing there.
+
+    With the manifest gone first, a reader that races the deletion gets
+    CheckpointIncomplete for the whole checkpoint instead of a "complete" one with files
+    missing, and a deletion that fails half way leaves an incomplete checkpoint that the
+    next call removes. Raises CheckpointError naming the URL when storage refuses.
+    """
+    fs, path = open_checkpoint_fs(url, storage_options)
+    with storage_errors(url, "delete"):
+        fs.invalidate_cache(path)
+        if not fs.exists(path):
+            return False
+        manifest_path = f"{path}/{MANIFEST_NAME}"
+        if fs.exists(manifest_path):
+            fs.rm_file(manifest_path)
+        # Object stores have no directories: the prefix is gone once its objects are.
+        fs.rm(path, recursive=True)
+        return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sluice.engines.inference.types import PauseMode
 from sluice.infra.config_overrides import (
@@ -22,15 +22,16 @@ from sluice.infra.config_overrides import (
     format_validation_error,
     read_config_file,
 )
-from sluice.infra.problem_config import ReasoningGymConfig
+from sluice.infra.problem_config import HumanEvalConfig, ReasoningGymConfig, check_verifier
+from sluice.infra.problem_config import Section as _Section
+from sluice.infra.trainer_config import (  # noqa: F401  (importable from here as before)
+    AdvantageConfig,
+    CorrectionConfig,
+    LossConfig,
+    TrainerConfig,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "flows" / "configs"
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
 
 
 class TinyModelConfig(_Section):
@@ -65,6 +66,10 @@ class ModelConfig(_Section):
     """Local Hugging Face causal-LM directory (config + safetensors + tokenizer). None builds the embedded tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the embedded tiny model (ignored when `path` is set)."""
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """How a prompt becomes tokens. `auto`: through the tokenizer's chat template when it has one (a chat model: the prompt is one user message, followed by the opening of the assistant's turn), else the plain text. `always`: the template, and a model without one fails at start. `never`: the plain text (a base model, or to measure what the template is worth)."""
+    system_prompt: str | None = None
+    """System message before the prompt when the chat template is used. None keeps the template's own default (SmolLM2's adds "You are a helpful AI assistant named SmolLM..."); "" sends an empty one."""
     shipped_policy: bool = True
     """Start from the warm-started policy that ships with Sluice when the tiny shape and task match it (the default's do), so no warm start runs on your clock. False, or any other shape or task, falls back to `warm_start`."""
     warm_start: bool = True
@@ -83,11 +88,13 @@ class ProblemConfig(_Section):
     """What the policy is asked to solve."""
 
     name: str = "longtail_sum"
-    """Built-in task name, used when `dataset` is None: `longtail_sum`, `tool_arith`, or `reasoning_gym` (the tasks of `reasoning_gym`)."""
+    """Built-in task name, used when `dataset` is None: `longtail_sum`, `tool_arith`, `reasoning_gym` (the tasks of `reasoning_gym`) or `humaneval` (HumanEval's 164 problems, scored by `reward.verifier: code`)."""
     dataset: str | None = None
     """A .jsonl or .parquet file of rows with `prompt` and `answer` (extra columns reach the verifier)."""
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
     """Tasks, mix, prompt instruction and answer format of `name: reasoning_gym` (docs/configuration.md)."""
+    humaneval: HumanEvalConfig = HumanEvalConfig()
+    """Extraction, instruction and held-out split of `name: humaneval` (docs/configuration.md)."""
 
     @model_validator(mode="after")
     def _reasoning_gym_tasks(self) -> ProblemConfig:
@@ -113,6 +120,8 @@ class RolloutConfig(_Section):
     """SGLang-compatible servers. Empty starts the embedded inference server in the rollout process."""
     max_batch_size: int = Field(64, ge=1)
     """Concurrent sequences in the embedded engine (continuous-batching slots)."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Prompt + response tokens each slot of Sluice's engine holds (its KV cache is `max_batch_size` x this); a longer prompt is passed over for the group's next draw. None: the model's positions, at most 2048. Size it to the longest prompt plus `max_new_tokens`: at 2048 x 64 slots, a 135M model's float32 KV cache alone is ~6 GB."""
     interruptible: bool = True
     """Pause in-flight generation for a weight update and recompute KV (True), or drain it first (False)."""
     pause_mode: PauseMode = PauseMode.RETRACT
@@ -125,6 +134,15 @@ class RolloutConfig(_Section):
     """Deadline of one generate request."""
     weight_noise_std: float = Field(0.0, ge=0, le=10)
     """Relative std of Gaussian noise added to every weight the embedded inference engine loads (w + σ·std(w)·N(0,1), seeded by run seed and policy version), to inject train–inference mismatch on purpose; the trainer and the evaluator keep clean weights. 0 = off (`sluice bench mismatch` sets it)."""
+
+    @model_validator(mode="after")
+    def _room_to_generate(self) -> RolloutConfig:
+        if self.max_seq_len is not None and self.max_seq_len <= self.max_new_tokens:
+            raise ValueError(
+                f"rollout.max_seq_len ({self.max_seq_len}) must exceed rollout.max_new_tokens "
+                f"({self.max_new_tokens}): a slot holds the prompt and the response"
+            )
+        return self
 
 
 class EpisodeConfig(_Section):
@@ -218,6 +236,8 @@ class EvaluationConfig(_Section):
     """Held-out prompts per evaluation."""
     samples: int = Field(1, ge=1)
     """Samples per held-out prompt at `temperature`; the held-out reward (`eval/reward`) and pass@1 are averaged over them."""
+    pass_at_k: list[int] = [1]
+    """k of the pass@k reported as `eval/pass_at_{k}`: the chance that at least one of k samples is correct, estimated without bias from all `samples` of each prompt (Chen et al. 2021); every k needs `samples >= k`, e.g. `[1, 5]` with `samples: 10`."""
     temperature: float | None = Field(None, ge=0)
     """Temperature of the held-out samples. None = the rollout temperature, so `eval/reward` is the RL objective (expected reward of the policy being trained) on unseen prompts; 0 = greedy decoding."""
     greedy: bool = True
@@ -229,112 +249,10 @@ class EvaluationConfig(_Section):
     poll_interval_s: float = Field(1.0, gt=0)
     """How often the evaluate role polls the registry for a version to score."""
 
-
-class LossConfig(_Section):
-    """Decoupled PPO objective (AReaL eq. 3)."""
-
-    decoupled: bool = True
-    """Use pi_prox as the trust-region anchor (True) or standard PPO with pi_old = pi_behav (False)."""
-    eps_clip_low: float = Field(0.2, ge=0, le=1)
-    """Lower clip of the ratio: 1 - eps_clip_low."""
-    eps_clip_high: float = Field(0.2, ge=0, le=10)
-    """Upper clip of the ratio: 1 + eps_clip_high (DAPO clip-higher when > eps_clip_low)."""
-    dual_clip_c: float | None = Field(None, gt=1)
-    """Dual-clip bound for negative advantages (None = off)."""
-
-
-class CorrectionConfig(_Section):
-    """Rollout correction of the behaviour weight pi_prox / pi_behav."""
-
-    mode: Literal[
-        "none", "token_tis", "sequence_tis", "token_mis", "sequence_mis", "geometric_rs"
-    ] = "token_tis"
-    """Truncate (TIS) or mask (MIS, RS) importance weights that train-inference mismatch blows up."""
-    threshold: float = Field(2.0, gt=0)
-    """C: cap (TIS) or rejection bound (MIS) of the weight."""
-    geometric_lower: float = Field(0.999, gt=0)
-    """Lower bound of exp(mean log-ratio) for geometric rejection."""
-    geometric_upper: float = Field(1.001, gt=0)
-    """Upper bound of exp(mean log-ratio) for geometric rejection."""
-
-
-class AdvantageConfig(_Section):
-    """Group-relative advantages, broadcast to every response token."""
-
-    mode: Literal["grpo", "drgrpo", "rloo", "batch"] = "grpo"
-    """grpo: (r - mean) / std per group; drgrpo: no std; rloo: leave-one-out mean; batch: batch-level std."""
-    eps: float = Field(1e-6, gt=0)
-    """Added to the std to keep all-equal groups finite."""
-    drop_zero_variance_groups: bool = False
-    """Drop groups whose responses all got the same reward (they carry zero advantage)."""
-
-
-class TrainerConfig(_Section):
-    """Optimisation."""
-
-    backend: Literal["torch", "megatron"] = "torch"
-    """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron can split the trainer over `tensor_parallel × pipeline_parallel × data_parallel` processes."""
-    tensor_parallel: int = Field(1, ge=1)
-    """Tensor-parallel size of the Megatron backend: each rank holds a slice of every layer (so it must divide the key/value heads and the MLP width). Splits each layer's compute and memory; needs the fastest links (one node). Needs `backend: megatron`."""
-    pipeline_parallel: int = Field(1, ge=1)
-    """Pipeline-parallel size of the Megatron backend: each stage holds consecutive layers (so it must divide the layer count). Splits memory with little communication, at the price of the pipeline bubble: each replica gets at least this many micro-batches per minibatch. Needs `backend: megatron`."""
-    data_parallel: int = Field(1, ge=1)
-    """Data-parallel replicas of the Megatron backend: each takes every k-th micro-batch of a minibatch and gradients are summed, so the update is the same. Splits compute, not memory; each replica gets at least one micro-batch. Needs `backend: megatron`."""
-    distributed_optimizer: bool = False
-    """Megatron backend: shard the fp32 main weights and Adam state across the `data_parallel` replicas (Megatron's distributed optimizer, ZeRO-1): optimizer memory per replica falls about `data_parallel`-fold, at a reduce-scatter and an all-gather per step instead of one all-reduce. No effect on the update."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training precision. `bfloat16` (Megatron backend): the model, activations and gradients in bf16, with fp32 main weights and Adam state in Megatron's mixed-precision optimizer. Versions are still published as float32 HF directories (the bf16 weights and float32 norms, exactly); the inference engine casts them to `rollout.dtype`. The torch backend trains in float32."""
-    prompts_per_batch: int = Field(8, ge=1)
-    """B: prompt groups per training step."""
-    ppo_minibatches: int = Field(1, ge=1)
-    """Optimizer steps per training batch (PPO minibatches)."""
-    total_steps: int = Field(40, ge=1)
-    """Training steps (policy versions) in the run."""
-    lr: float = Field(1e-4, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    adam_eps: float = Field(1e-5, gt=0)
-    """AdamW epsilon."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Global gradient-norm clip."""
-    max_tokens_per_micro_batch: int = Field(8192, ge=16)
-    """Token budget of one packed micro-batch (dynamic micro-batching)."""
-    min_micro_batches: int = Field(1, ge=1)
-    """Lower bound on micro-batches per minibatch."""
-    publish_every: int = Field(1, ge=1)
-    """Commit a new policy version every K training steps."""
-    time_budget_s: float | None = Field(None, gt=0)
-    """Stop the run this many wall-clock seconds after the flow started (start-up included), whatever step it reached; None = run `total_steps`."""
-    loss: LossConfig = LossConfig()
-    """Policy loss."""
-    correction: CorrectionConfig = CorrectionConfig()
-    """Rollout correction of the behaviour importance weight."""
-    advantage: AdvantageConfig = AdvantageConfig()
-    """Advantage estimator."""
-
-    @property
-    def world_size(self) -> int:
-        """Trainer processes: the train role is rank 0 and starts the others on its machine."""
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
-
     @model_validator(mode="after")
-    def _megatron_only_settings(self) -> TrainerConfig:
-        sizes = {
-            "tensor_parallel": self.tensor_parallel,
-            "pipeline_parallel": self.pipeline_parallel,
-            "data_parallel": self.data_parallel,
-        }
-        asked = [f"{name}={size}" for name, size in sizes.items() if size > 1]
-        asked += ["distributed_optimizer=true"] if self.distributed_optimizer else []
-        asked += [f"dtype={self.dtype}"] if self.dtype != "float32" else []
-        if asked and self.backend != "megatron":
-            raise ValueError(
-                f"{' and '.join(asked)} {'need' if len(asked) > 1 else 'needs'} backend=megatron "
-                f"(the {self.backend} backend trains in float32, in one process)"
-            )
+    def _pass_at_k_samples(self) -> EvaluationConfig:
+        if any(not 1 <= k <= self.samples for k in self.pass_at_k):
+            raise ValueError(f"pass_at_k {self.pass_at_k} needs k in 1..samples={self.samples}")
         return self
 
 
@@ -345,6 +263,17 @@ class StorageConfig(_Section):
     """fsspec URL root: file://, s3://bucket/prefix, memory:// (tests)."""
     options: dict[str, Any] = {}
     """fsspec storage options (e.g. s3 endpoint_url, key, secret)."""
+    keep_versions: int | None = Field(3, ge=0)
+    """Published policy versions whose weights stay on storage: the newest K (at least 2: the rollout side serves one while it fetches the next), plus every version an MLflow alias or a `sluice.keep` tag pins and every version the evaluation schedule has yet to score (docs/operations.md, "Checkpoints and retention"). Older ones are deleted after each publish and tagged `sluice.deleted`; only the newest version's trainer state is kept. 0 or None = keep every version (at 135M parameters each is ~0.5 GB)."""
+
+    @field_validator("keep_versions")
+    @classmethod
+    def _keep_two(cls, value: int | None) -> int | None:
+        if value == 1:
+            raise ValueError(
+                "use 2 or more (0 keeps all): the rollout serves one while fetching the next"
+            )
+        return value
 
 
 class TrackingConfig(_Section):
@@ -414,6 +343,11 @@ class RunConfig(BaseModel):
                 "problem.name=reasoning_gym is scored by reward.verifier=reasoning_gym "
                 f"(not {self.reward.verifier})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _humaneval_verifier(self) -> RunConfig:
+        check_verifier(self.problem, self.reward.verifier)
         return self
 
     @model_validator(mode="after")

@@ -74,6 +74,7 @@ class ServerSpec:
     dtype: str = "float32"
     device: str = "cpu"
     max_batch_size: int = 64
+    max_seq_len: int | None = None
     num_threads: int | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
@@ -109,6 +110,8 @@ class ServerSpec:
             ]  # fmt: skip
             if self.num_threads:
                 argv += ["--num-threads", str(self.num_threads)]
+            if self.max_seq_len:
+                argv += ["--max-seq-len", str(self.max_seq_len)]
         return argv + list(self.extra_args)
 
     def run_options(self, run_id: str, index: int) -> dict[str, Any]:

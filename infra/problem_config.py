@@ -1,5 +1,6 @@
-"""Config of the ``reasoning_gym`` problem kind (`problem.reasoning_gym`), beside
-`infra/config.py` so that module stays readable.
+"""Config of the ``reasoning_gym`` and ``humaneval`` problem kinds
+(`problem.reasoning_gym`, `problem.humaneval`), beside `infra/config.py` so that module
+stays readable.
 
 Task names and settings are checked against reasoning-gym itself when the config is
 validated (imported only when tasks are named, about a second): an unknown task names
@@ -19,13 +20,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Extraction = Literal["answer_tags", "boxed", "last_number"]
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: unknown keys are errors, assignments are validated, and each
+    field's docstring is its description (Prefect's UI and the docs show it)."""
+
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True
     )
 
 
-class ReasoningGymTask(_Section):
+class ReasoningGymTask(Section):
     """One reasoning-gym task of the mix."""
 
     weight: float = Field(1.0, gt=0)
@@ -50,7 +54,7 @@ class ReasoningGymTask(_Section):
         return data
 
 
-class ReasoningGymConfig(_Section):
+class ReasoningGymConfig(Section):
     """Procedural reasoning tasks from reasoning-gym (used when `problem.name` is `reasoning_gym`)."""
 
     tasks: dict[str, ReasoningGymTask] = {}
@@ -99,9 +103,34 @@ class ReasoningGymConfig(_Section):
         return self
 
 
+class HumanEvalConfig(Section):
+    """HumanEval's 164 problems, scored by their unit tests (used when `problem.name` is `humaneval`)."""
+
+    extraction: Literal["raw", "fenced"] = "raw"
+    """How the program is read from a response: `raw` (the response continues the function, cut at the first new top-level `def`/`class`/`if`/`print`/`#`, as in Chen et al. 2021: base models) or `fenced` (the first ```python block, a whole function or its body: chat models). A response with no program in that form, or one that is not Python, scores `reward.incorrect_reward` and is counted as unparsed."""
+    instruction: str | None = None
+    """Text before HumanEval's prompt (a blank line between). None = the extraction's own (`raw`: "Complete the following Python function."; `fenced` adds "Answer with the whole function in a ```python code block."); empty: HumanEval's prompt alone."""
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    """Share of the 164 problems held out for evaluation (round(0.2 * 164) = 33), chosen by a hash of their task_id; the splits never share a problem."""
+    split_seed: int = Field(0, ge=0)
+    """Seed of the held-out choice: another seed holds out other problems."""
+
+
+def check_verifier(problem: Any, verifier: str) -> None:
+    """Refuse, in one line, a built-in verifier that cannot score the problem
+    `problem.name` names (a `ProblemConfig`): HumanEval's rows need one that runs code."""
+    uses_humaneval = problem.name == "humaneval" and not problem.dataset
+    if uses_humaneval and verifier in ("builtin", "math", "reasoning_gym"):
+        raise ValueError(
+            f"problem.name=humaneval is scored by reward.verifier=code (not {verifier})"
+        )
+
+
 def problem_options(problem: Any) -> dict[str, Any]:
     """Keyword options of the problem `problem.name` names (a `ProblemConfig`), for
     `sluice.engines.env.problems.registry.get_problem`."""
     if problem.name == "reasoning_gym":
         return dict(problem.reasoning_gym.model_dump())
+    if problem.name == "humaneval":
+        return dict(problem.humaneval.model_dump())
     return {}

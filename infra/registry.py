@@ -49,7 +49,14 @@ TAG_POLICY_VERSION = "sluice.policy_version"
 TAG_TRAINER_STEP = "sluice.trainer_step"
 TAG_RUN_ID = "sluice.run_id"
 TAG_CHECKPOINT_DIGEST = "sluice.checkpoint_digest"
-RESERVED_TAGS = frozenset({TAG_POLICY_VERSION, TAG_TRAINER_STEP, TAG_RUN_ID, TAG_CHECKPOINT_DIGEST})
+TAG_DELETED = "sluice.deleted"
+"""Set ("true") on a version whose checkpoint retention deleted: nothing may load it."""
+TAG_KEEP = "sluice.keep"
+"""Set it ("true") on a version, in the MLflow UI or with ``set_tag``, to keep its
+checkpoint through retention (an alias on the version does the same)."""
+RESERVED_TAGS = frozenset(
+    {TAG_POLICY_VERSION, TAG_TRAINER_STEP, TAG_RUN_ID, TAG_CHECKPOINT_DIGEST, TAG_DELETED}
+)
 
 _ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 _MLFLOW_RESERVED_ALIAS = re.compile(r"^(latest|[vV]\d+)$", re.IGNORECASE)
@@ -86,6 +93,16 @@ class CommittedVersion(BaseModel):
     """When the model version was created, in ms since the epoch."""
     tags: dict[str, str]
     """All tags of the model version, Sluice's own and the caller's (staleness, eval...)."""
+
+    @property
+    def deleted(self) -> bool:
+        """Whether retention deleted this version's checkpoint (it stays listed, unloadable)."""
+        return self.tags.get(TAG_DELETED) == "true"
+
+    @property
+    def kept(self) -> bool:
+        """Whether a person pinned this version through retention (tag ``sluice.keep``)."""
+        return self.tags.get(TAG_KEEP, "").strip().lower() in ("true", "1", "yes")
 
 
 def _as_committed(version: ModelVersion) -> CommittedVersion | None:
@@ -287,6 +304,37 @@ class CheckpointRegistry:
             self._client.set_model_version_tag(
                 self.model_name, str(found[0].version), key, str(value)
             )
+
+    def mark_deleted(self, policy_version: int) -> None:
+        """Tag committed `policy_version` as deleted (``sluice.deleted``), before its files go.
+
+        Readers skip such versions; the alias never points at one (retention keeps the
+        newest). Idempotent.
+        """
+        policy_version = _check_policy_version(policy_version)
+        found = self._find(policy_version)
+        if not found:
+            raise RegistryError(
+                f"policy version {policy_version} of {self.model_name!r} is not committed"
+            )
+        with self._mlflow(f"marking policy version {policy_version} deleted"):
+            self._client.set_model_version_tag(
+                self.model_name, str(found[0].version), TAG_DELETED, "true"
+            )
+
+    def aliased_versions(self, committed: list[CommittedVersion] | None = None) -> dict[str, int]:
+        """Every alias of the registered model and the policy version it points at
+        (Sluice's own alias included; a version registered by hand is left out).
+        `committed` saves listing the versions again when the caller just did."""
+        with self._mlflow("reading aliases"):
+            aliases = dict(self._client.get_registered_model(self.model_name).aliases or {})
+        listed = self.versions() if committed is None else committed
+        by_model_version = {c.model_version: c.policy_version for c in listed}
+        return {
+            alias: by_model_version[int(mv)]
+            for alias, mv in aliases.items()
+            if int(mv) in by_model_version
+        }
 
     def sync_alias(self) -> CommittedVersion | None:
         """Move the alias to the highest committed policy version; return it.

@@ -6,6 +6,8 @@ temperature). That is the quantity RL maximises, measured on prompts it never tr
 on. Greedy accuracy (`eval/greedy_accuracy`) is logged beside it: it moves more slowly,
 because RL first sharpens the sampling distribution towards answers the policy could
 already give, and it says whether the policy's single most likely answer improved.
+pass@k (`eval/pass_at_{k}`, each k of `evaluation.pass_at_k`) is estimated from the
+same samples.
 Results go to MLflow (`eval/reward` at step = policy version) and onto the model
 version as tags, so the registry shows which version is best.
 
@@ -38,9 +40,10 @@ from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
 from sluice.infra.tracking import log_metrics
-from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
+from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import run_registry
+from sluice.tasks.run.versions import is_policy_file
 from sluice.tasks.tool_runner import ToolBox, episode_spec
 
 log = logging.getLogger("sluice.evaluate")
@@ -54,9 +57,14 @@ def eval_seed(seed: int, prompt: int, sample: int) -> int:
 
 
 def eval_requests(
-    config: RunConfig, prompt_ids: list[list[int]], temperature: float, with_greedy: bool
+    config: RunConfig,
+    prompt_ids: list[list[int]],
+    temperature: float,
+    with_greedy: bool,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> list[GenerationRequest]:
-    """`evaluation.samples` seeded samples per prompt, then a greedy one when asked."""
+    """`evaluation.samples` seeded samples per prompt, then a greedy one when asked; every
+    response ends at one of `stop_token_ids` (the policy's end tokens) or the token cap."""
     max_new_tokens = config.rollout.max_new_tokens
     requests = []
     for i, ids in enumerate(prompt_ids):
@@ -65,10 +73,13 @@ def eval_requests(
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 seed=eval_seed(config.seed, i, j),
+                stop_token_ids=stop_token_ids,
             )
             requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
         if with_greedy:
-            sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+            sampling = SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids
+            )
             requests.append(GenerationRequest(prompt_token_ids=ids, sampling=sampling))
     return requests
 
@@ -77,7 +88,7 @@ def evaluate_model_dir(
     config: RunConfig, model_dir: Path, policy_version: int = 0
 ) -> dict[str, float]:
     """pass@1 of the weights in `model_dir` on the run's held-out prompts."""
-    source = PromptSource(config, load_policy_tokenizer(model_dir))
+    source = PromptSource(config).use_policy(model_dir)
     rows = source.eval_rows()
     verifier = load_verifier(
         config.reward.verifier,
@@ -94,12 +105,17 @@ def evaluate_model_dir(
         device=resolve_device(config.device),
         dtype=config.rollout.dtype,
         max_batch_size=config.rollout.max_batch_size,
+        max_seq_len=config.rollout.max_seq_len,
         seed=config.seed,
         weight_version=policy_version,
     )
     started = time.monotonic()
     requests = eval_requests(
-        config, [source.encode_prompt(row) for row in rows], temperature, with_greedy
+        config,
+        [source.encode_prompt(row) for row in rows],
+        temperature,
+        with_greedy,
+        source.stop_token_ids,
     )
     tokenizer = source.tokenizer
     episodes: list[Episode] = []
@@ -124,6 +140,7 @@ def evaluate_model_dir(
         with_greedy=with_greedy,
         correct_reward=config.reward.correct_reward,
         greedy_temperature=temperature == 0,
+        pass_at=config.evaluation.pass_at_k,
     )
     if episodes:
         metrics.update(tool_use_metrics(episodes, per_prompt, k))
@@ -183,6 +200,7 @@ def evaluate_checkpoint(
         eval_weights_dir(config, run_id),
         storage_options=config.storage.options,
         keep_latest=2,
+        select=is_policy_file,
     )
     return evaluate_model_dir(config, local, policy_version)
 
@@ -219,6 +237,11 @@ def record(
 ) -> None:
     log_metrics(config.tracking.uri, mlflow_run_id, metrics, step=version.policy_version)
     registry.set_tag(version.policy_version, "eval.pass_at_1", f"{metrics['eval/pass_at_1']:.4f}")
+    for k in config.evaluation.pass_at_k:
+        if k > 1:
+            registry.set_tag(
+                version.policy_version, f"eval.pass_at_{k}", f"{metrics[f'eval/pass_at_{k}']:.4f}"
+            )
     registry.set_tag(version.policy_version, "eval.reward", f"{metrics['eval/reward']:.4f}")
 
 
@@ -243,7 +266,14 @@ class EvaluateRole(Role):
         history = sorted((v, m["eval/reward"]) for v, m in done.items())
         while True:
             finished = control.done_marker() is not None
-            versions = [v for v in registry.versions() if v.policy_version not in done]
+            # Never back to a version older than the newest scored (skipped ones stay
+            # skipped after a restart too): retention lets those go (tasks/run/retention.py).
+            newest = max((v for v, _ in history), default=-1)
+            versions = [
+                v
+                for v in registry.versions()
+                if v.policy_version not in done and v.policy_version > newest and not v.deleted
+            ]
             wanted = [v for v in versions if should_evaluate(v.policy_version, cfg)]
             if finished and not wanted:
                 # The run ended: make sure the newest version was evaluated, then leave.
@@ -312,6 +342,12 @@ def evaluate_version(
         raise RegistryError(
             f"policy version {policy_version} of run {run_id!r} is not committed in "
             f"{registry.model_name!r} at {cfg.tracking.uri}"
+        )
+    if target.deleted:
+        raise RegistryError(
+            f"policy version {policy_version} of run {run_id!r} was deleted by retention "
+            "(storage.keep_versions); pin a version with an alias or the tag sluice.keep "
+            "before it is let go"
         )
     metrics = evaluate_checkpoint(cfg, run_id, policy_version, target.checkpoint_uri)
     record(cfg, registry, mlflow_run_id, target, metrics)

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from sluice.engines.env.problems.base import Problem
 from sluice.engines.env.problems.dataset import DatasetProblem
 from sluice.engines.env.problems.registry import get_problem
+from sluice.engines.policy.model_dir import ModelDirError, declared_end_token_ids
 from sluice.infra.config import RunConfig
 from sluice.infra.problem_config import problem_options
 
@@ -40,15 +41,41 @@ MAX_DRAWS = 64
 """Prompts drawn for one group before a run whose prompts never fit gives up."""
 
 
-def policy_context(model_dir: str | Path) -> int:
+def policy_context(model_dir: str | Path, max_seq_len: int | None = None) -> int:
     """Prompt plus response tokens a policy's inference engine holds per sequence: the
-    model's positions, at most 2048 (the embedded engine's default)."""
+    model's positions, at most `max_seq_len` (`rollout.max_seq_len`; None: 2048, the
+    embedded engine's default)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return min(int(config.get("max_position_embeddings") or 2048), 2048)
+    return min(int(config.get("max_position_embeddings") or 2048), max_seq_len or 2048)
+
+
+def end_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Every token that ends a response: the tokenizer's EOS and those the model's
+    generation config and config name (sorted, so requests are reproducible)."""
+    ids = set(declared_end_token_ids(model_dir))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def uses_chat_template(config: RunConfig, tokenizer: PreTrainedTokenizerBase, where: Any) -> bool:
+    """Whether prompts go through the chat template (`model.chat_template`)."""
+    mode = config.model.chat_template
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "always" and not has_template:
+        raise ModelDirError(
+            f"model.chat_template=always, but the tokenizer in '{where}' has no chat template; "
+            "use model.chat_template=never (plain prompts) or a chat model"
+        )
+    return has_template and mode != "never"
 
 
 class PromptSource:
     """The run's prompt sequence and its tokenization.
+
+    `use_policy(model_dir)` takes the policy's tokenizer, context and end tokens. A
+    prompt is the problem's text, rendered through the tokenizer's chat template as one
+    user message when `model.chat_template` says so; `stop_token_ids` end every response.
 
     With `max_prompt_tokens` set, a prompt that would leave the engine no room to
     generate is passed over for the next draw of the same group (seeded by the group and
@@ -62,6 +89,17 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.max_prompt_tokens: int | None = None
         self.skipped_too_long = 0
+        self.chat = False
+        self.stop_token_ids: tuple[int, ...] = ()
+
+    def use_policy(self, model_dir: str | Path) -> PromptSource:
+        """Encode prompts for the policy in `model_dir`; returns self."""
+        tokenizer = load_policy_tokenizer(model_dir)
+        context = policy_context(model_dir, self.config.rollout.max_seq_len)
+        self.set_tokenizer(tokenizer, context - 1)
+        self.chat = uses_chat_template(self.config, tokenizer, model_dir)
+        self.stop_token_ids = end_token_ids(model_dir, tokenizer)
+        return self
 
     def set_tokenizer(
         self, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int | None = None
@@ -72,7 +110,16 @@ class PromptSource:
     def encode_prompt(self, row: dict[str, Any]) -> list[int]:
         if self.tokenizer is None:
             raise RuntimeError("PromptSource needs a tokenizer before encoding prompts")
-        ids = self.tokenizer(self.problem.format_prompt(row))["input_ids"]
+        text = self.problem.format_prompt(row)
+        if not self.chat:
+            return [int(i) for i in self.tokenizer(text)["input_ids"]]
+        messages = [{"role": "user", "content": text}]
+        if self.config.model.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.config.model.system_prompt})
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(i) for i in ids]
 
     def train_row(self, index: int, draw: int = 0) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -22,13 +23,13 @@ import pyarrow.compute as pc
 
 from sluice.engines.env.verifiers import Score, load_verifier, outcome_of
 from sluice.engines.rl.samples import score_table
-from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.streams.names import ShardRef
 from sluice.tasks.prompts import load_policy_tokenizer
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
+from sluice.tasks.run.versions import fetch_tokenizer
 
 log = logging.getLogger("sluice.reward")
 
@@ -207,30 +208,28 @@ class RewardRole(Role):
             "busy_ratio": self.busy_s / max(1e-9, time.monotonic() - self.started),
         }
 
+    def fetch_tokenizer(self) -> Path:
+        """The run's tokenizer files on local disk (no weights are read).
+
+        Every version carries the same tokenizer; version 0's never changes, so a
+        restarted role finds it in its cache. Once retention deleted version 0, or it
+        was deleted outside Sluice, it comes from the newest version.
+        """
+        first = self.wait_for_first_version()
+        cache = self.local_dir("reward-tokenizer")
+        source = self.registry.get(0)
+        if source is not None and not source.deleted:
+            try:
+                return fetch_tokenizer(self.config, source, cache)
+            except CheckpointIncomplete as err:
+                log.warning(
+                    "version 0 cannot be read (%s); the tokenizer comes from the newest", err
+                )
+        return fetch_tokenizer(self.config, self.registry.latest() or first, cache)
+
     def run(self) -> None:
         cfg = self.config
-        first = self.wait_for_first_version()
-        # Every version carries the run's tokenizer; version 0's never changes, so a
-        # restarted role finds it in its cache instead of downloading the newest weights.
-        source = self.registry.get(0) or first
-        try:
-            local = fetch_checkpoint(
-                source.checkpoint_uri,
-                self.local_dir("reward-tokenizer"),
-                storage_options=cfg.storage.options,
-            )
-        except CheckpointIncomplete as err:
-            if source.policy_version == first.policy_version:
-                raise
-            # Version 0 deleted after its commit (old checkpoints expire): any other
-            # version carries the same tokenizer.
-            log.warning("version 0 cannot be read (%s); the tokenizer comes from the newest", err)
-            local = fetch_checkpoint(
-                first.checkpoint_uri,
-                self.local_dir("reward-tokenizer"),
-                storage_options=cfg.storage.options,
-            )
-        tokenizer = load_policy_tokenizer(local)
+        tokenizer = load_policy_tokenizer(self.fetch_tokenizer())
 
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)

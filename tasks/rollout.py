@@ -43,7 +43,7 @@ from sluice.engines.rl.trajectory import (
     TURNS,
     TrajectoryRow,
 )
-from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving import protocol
@@ -55,9 +55,10 @@ from sluice.infra.serving.client import (
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.tasks.process.inference_server import EmbeddedServer, launched_server_urls
-from sluice.tasks.prompts import PromptSource, load_policy_tokenizer, policy_context
+from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import ROLLOUTS
+from sluice.tasks.run.versions import fetch_policy, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
@@ -206,12 +207,7 @@ class RolloutRole(Role):
     def fetch(self, version: CommittedVersion) -> Path:
         # One digest-keyed cache for every version; keep the served weights and the next.
         # Absolute: a server in another process or container resolves no relative path.
-        return fetch_checkpoint(
-            version.checkpoint_uri,
-            self.cache_dir,
-            storage_options=self.config.storage.options,
-            keep_latest=2,
-        ).resolve()
+        return fetch_policy(self.config, version, self.cache_dir, keep_latest=2).resolve()
 
     async def maybe_update_weights(self, client: InferenceClient) -> None:
         latest = await asyncio.to_thread(self.registry.latest)
@@ -222,7 +218,12 @@ class RolloutRole(Role):
         ):
             return
         # Fetch before pausing: generation keeps running while the bytes move.
-        local = await asyncio.to_thread(self.fetch, latest)
+        try:
+            local = await asyncio.to_thread(self.fetch, latest)
+        except CheckpointIncomplete:
+            if not await asyncio.to_thread(superseded, self.registry, latest):
+                raise
+            return  # retention let it go meanwhile: the next poll takes the newer one
         started = time.monotonic()
         if self.config.rollout.interruptible:
             await client.pause(self.config.rollout.pause_mode)
@@ -256,6 +257,7 @@ class RolloutRole(Role):
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "top_k": cfg.top_k,
+            "stop_token_ids": list(self.prompts.stop_token_ids),
         }
         if self.episodes is not None:
             return await self.generate_episodes(client, index, row, prompt_ids, sampling)
@@ -282,7 +284,7 @@ class RolloutRole(Role):
                 params = {
                     **sampling,
                     "max_new_tokens": max_new_tokens,
-                    "stop_token_ids": [spec.close_token_id],
+                    "stop_token_ids": [*sampling["stop_token_ids"], spec.close_token_id],
                 }
                 return await client.generate(input_ids, params)
 
@@ -315,9 +317,9 @@ class RolloutRole(Role):
         cfg = self.config
         self.current = self.wait_for_first_version(timeout_s=FIRST_VERSION_TIMEOUT_S)
         local = self.fetch(self.current)
-        tokenizer = load_policy_tokenizer(local)
         # A prompt must leave the engine room for at least one token.
-        self.prompts.set_tokenizer(tokenizer, policy_context(local) - 1)
+        tokenizer = self.prompts.use_policy(local).tokenizer
+        assert tokenizer is not None
         if cfg.episode.tools:
             self.episodes = episode_spec(cfg, tokenizer)
             self.toolbox = ToolBox(

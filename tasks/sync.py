@@ -26,11 +26,11 @@ from sluice.engines.rl.samples import (
     samples_from_table,
     staleness_stats,
 )
-from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.tracking import log_metrics
-from sluice.tasks.prompts import PromptSource, load_policy_tokenizer, policy_context
+from sluice.tasks.prompts import PromptSource
 from sluice.tasks.run.threads import Background
+from sluice.tasks.run.versions import save_version
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 SAMPLED_LENGTHS = 4096
@@ -48,7 +48,8 @@ def step_requests(
     """Step `step`'s B prompt groups x G samples: (group index, prompt row, prompt ids) and
     the seeded generation request of every response, in the same order.
 
-    `source` is the run's `PromptSource` (anything with `train_prompt(index)`).
+    `source` is the run's `PromptSource` (anything with `train_prompt(index)` and
+    `stop_token_ids`, the policy's end tokens).
     """
     B, G = config.trainer.prompts_per_batch, config.rollout.group_size
     rollout = config.rollout
@@ -65,6 +66,7 @@ def step_requests(
                         temperature=rollout.temperature,
                         top_p=rollout.top_p,
                         top_k=rollout.top_k,
+                        stop_token_ids=source.stop_token_ids,
                         seed=sample_seed(config.seed, g, k),
                     ),
                 )
@@ -83,11 +85,8 @@ class SyncRole(TrainingRole):
         cfg = self.config
         latest = self.start_version()
         local_root = self.local_dir("sync")
-        model_dir = fetch_checkpoint(
-            latest.checkpoint_uri, local_root / "init", storage_options=cfg.storage.options
-        )
-        source = PromptSource(cfg)
-        source.set_tokenizer(load_policy_tokenizer(model_dir), policy_context(model_dir) - 1)
+        model_dir = self.training_dir(latest, local_root)
+        source = PromptSource(cfg).use_policy(model_dir)
         verifier = load_verifier(
             cfg.reward.verifier,
             correct_reward=cfg.reward.correct_reward,
@@ -98,6 +97,7 @@ class SyncRole(TrainingRole):
             device=resolve_device(cfg.device),
             dtype=cfg.rollout.dtype,
             max_batch_size=cfg.rollout.max_batch_size,
+            max_seq_len=cfg.rollout.max_seq_len,
             seed=cfg.seed,
             weight_version=latest.policy_version,
         )
@@ -131,19 +131,18 @@ class SyncRole(TrainingRole):
             stats.update(staleness_stats(table, version))
             metrics = trainer.train_step(samples) if samples else {}
             version += 1
-            out_dir = local_root / f"v{version:06d}"
-            trainer.save(out_dir, extra={"policy_version": version})
-            engine.update_weights_from_disk(out_dir, version)
+            saved = save_version(trainer, local_root / f"v{version:06d}", version)
+            engine.update_weights_from_disk(saved.policy, version)
             # The previous step's upload and commit had this step's generation and training
             # to run in; only now may its local copy go.
             background.wait()
             for old in local_root.glob("v*"):
-                if old != out_dir:
+                if old != saved.policy.parent:
                     shutil.rmtree(old, ignore_errors=True)
             if version % cfg.trainer.publish_every == 0 or version == cfg.trainer.total_steps:
                 background.submit(
                     self.commit_version,
-                    out_dir,
+                    saved,
                     version,
                     {"reward_mean": f"{stats['reward/mean']:.4f}", "mode": "sync"},
                 )

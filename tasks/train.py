@@ -15,19 +15,17 @@ Training in issue order also makes exactly-once simple: version v has trained ex
 the groups numbered below v * B. A group whose shard was quarantined as corrupt (in
 either stream) is lost: the step goes on without it once that is certain.
 
-Exactly once: the checkpoint carries the list of shards it consumed. A crash after
-the commit but before the ack is repaired on restart by acking that list; a crash
-before the commit retrains those shards from the previous version, whose weights
-never saw them.
+Exactly once: each version records the list of shards it consumed
+(`checkpoints/consumed/`, durable before the commit). A crash after the commit but
+before the ack is repaired on restart by acking that list; a crash before the commit
+retrains those shards from the previous version, whose weights never saw them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -35,20 +33,19 @@ import pyarrow as pa
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
-from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.role import StopRequested
-from sluice.tasks.run.paths import ROLLOUTS, SCORED, read_json
+from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
+from sluice.tasks.run.versions import SavedVersion, read_consumed, save_version
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 log = logging.getLogger("sluice.train")
-CONSUMED_FILE = "consumed_shards.json"
 LOST_CHECK_INTERVAL_S = 5.0
 """How often a trainer waiting on missing groups checks whether they were quarantined."""
 BATCH_POLL_S = 0.05
@@ -87,17 +84,17 @@ class TrainRole(TrainingRole):
         self.advantages = advantage_fn(config)
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-commit")
-        self._pending: tuple[int, list[ShardRef], Path] | None = None
+        self._pending: tuple[int, list[ShardRef], SavedVersion] | None = None
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
         latest = super().start_version()
-        self.reconcile_ledger(latest.checkpoint_uri)
+        self.reconcile_ledger(latest)
         return latest
 
-    def reconcile_ledger(self, checkpoint_uri: str) -> None:
+    def reconcile_ledger(self, committed: CommittedVersion) -> None:
         """Ack what the committed version consumed, in case the last run died before acking."""
-        names = read_json(self.config, f"{checkpoint_uri}/{CONSUMED_FILE}")
+        names = read_consumed(self.config, self.paths, committed)
         if not names:
             return
         missing = [n for n in names if not self.reader.is_acked(n)]
@@ -168,34 +165,28 @@ class TrainRole(TrainingRole):
         on restart (`reconcile_ledger`), as before.
         """
         self.finish_publish()
-        local = self.local_root / f"v{version:06d}"
-        if local.exists():
-            shutil.rmtree(local)
-        trainer.save(local, extra={"policy_version": version})
-        (local / CONSUMED_FILE).write_text(json.dumps([r.name for r in consumed]))
-        self.background.submit(self.commit_version, local, version, tags)
-        self._pending = (version, consumed, local)
+        saved = save_version(trainer, self.local_root / f"v{version:06d}", version)
+        names = [r.name for r in consumed]
+        self.background.submit(self.commit_version, saved, version, tags, names)
+        self._pending = (version, consumed, saved)
 
     def finish_publish(self) -> None:
         """Wait for the pending commit (and metric logging), then ack what it consumed."""
         self.background.wait()
         if self._pending is None:
             return
-        version, consumed, local = self._pending
+        version, consumed, saved = self._pending
         self._pending = None
         self.reader.ack(consumed, meta={"policy_version": version})
         # Keep the newest local copy only: the durable one is on storage.
         for old in self.local_root.glob("v*"):
-            if old != local:
+            if old != saved.policy.parent:
                 shutil.rmtree(old, ignore_errors=True)
 
     def run(self) -> None:
         cfg = self.config
         latest = self.start_version()
-        init_dir = fetch_checkpoint(
-            latest.checkpoint_uri, self.local_root / "init", storage_options=cfg.storage.options
-        )
-        trainer = build_trainer(cfg, init_dir)
+        trainer = build_trainer(cfg, self.training_dir(latest, self.local_root))
         version = latest.policy_version
         total = cfg.trainer.total_steps
         B = cfg.trainer.prompts_per_batch

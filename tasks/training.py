@@ -1,10 +1,11 @@
 """What the two training roles share: the asynchronous train role and the colocated sync loop.
 
 Both hold the run's trainer lease (one trainer per run, infra/lease.py), build the
-same trainer from the run config, start from the newest durable policy version, commit
-each published version to the registry only once its checkpoint is durable, and leave
-the same end state: the run's done marker once the last step is trained, and a final
-status document.
+same trainer from the run config, start from the newest durable policy version (its
+policy and trainer state, tasks/run/versions.py), commit each published version to the
+registry only once its checkpoint and trainer state are durable, apply retention after
+each commit (tasks/run/retention.py), and leave the same end state: the run's done
+marker once the last step is trained, and a final status document.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from sluice.infra.registry import CommittedVersion
 from sluice.tasks.process.trainer_ranks import build_rank_trainer, join, start_following_ranks
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import filesystem
+from sluice.tasks.run.retention import Retention
+from sluice.tasks.run.versions import SavedVersion, fetch_training_dir, write_consumed
 
 
 def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
@@ -68,6 +71,7 @@ class TrainingRole(Role):
     """Appended to the done marker's reason ("trained N steps{note}")."""
 
     lease: StorageLease | None = None
+    _retention: Retention | None = None
     last_commit_s: float | None = None
     """How long the latest upload + registry commit took (what a version waits before
     the rollout can see it)."""
@@ -99,20 +103,49 @@ class TrainingRole(Role):
         first = self.wait_for_first_version()
         return self.registry.sync_alias() or first
 
-    def commit_version(self, local: Path, version: int, tags: dict[str, Any]) -> str:
-        """Upload the checkpoint in `local`, then commit it as `version`; returns its URI.
-        A role whose lease was taken over commits nothing (`LeaseLost`)."""
+    def training_dir(self, version: CommittedVersion, local_root: Path) -> Path:
+        """`version`'s policy and trainer state side by side, for `build_trainer`."""
+        return fetch_training_dir(self.config, self.paths, version, local_root)
+
+    def commit_version(
+        self,
+        saved: SavedVersion,
+        version: int,
+        tags: dict[str, Any],
+        consumed: list[str] | None = None,
+    ) -> str:
+        """Upload the trainer state, the `consumed` shard list and the policy in `saved`,
+        then commit the policy as `version`; returns its URI. Retention runs after the
+        commit and never fails it. A role whose lease was taken over commits nothing
+        (`LeaseLost`).
+
+        The version is not committed yet (a trainer continues from the newest committed
+        one), so whatever its URLs hold is the leftover of an attempt that died before
+        its commit, and is replaced.
+        """
         if self.lease is not None:
             self.lease.check()
         started = time.monotonic()
-        uri = save_checkpoint(
-            local, self.paths.checkpoint(version), storage_options=self.config.storage.options
+        options = self.config.storage.options
+        # Durable before the commit: a resume from this version reads them.
+        save_checkpoint(
+            saved.trainer_state, self.paths.trainer_state(version), options, replace=True
         )
+        if consumed is not None:
+            write_consumed(self.config, self.paths, version, consumed)
+        uri = save_checkpoint(saved.policy, self.paths.checkpoint(version), options, replace=True)
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
         )
         self.last_commit_s = time.monotonic() - started
+        self.retention.after_commit(version)
         return uri
+
+    @property
+    def retention(self) -> Retention:
+        if self._retention is None:
+            self._retention = Retention(self.config, self.paths, self.registry)
+        return self._retention
 
     def finish(self, version: int) -> None:
         """The run's done marker once the last step is trained; the final status either way."""

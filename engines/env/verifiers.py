@@ -10,7 +10,8 @@ Built-in verifiers:
 - ``math``:    `math_verify` parse + verify (boxed answers, fractions vs decimals,
                LaTeX vs plain), under a wall-clock guard because symbolic
                comparison can hang on adversarial input;
-- ``code``:    runs the response's Python against the row's tests in the sandbox;
+- ``code``:    runs the response's Python against the row's tests in the sandbox
+               (a HumanEval row: HumanEval's prompt and the completion, then its tests);
 - ``reasoning_gym``: the reasoning-gym task's own ``score_answer`` on the answer the
                row's extraction finds (``<answer>`` tags, ``\\boxed{}``, last number).
 
@@ -245,10 +246,15 @@ def code_verifier(
 
     Row formats: `tests` as Python source (asserts) or a list of such snippets, run
     after the code; or `tests` as {"inputs": [...], "outputs": [...]} stdin/stdout
-    pairs, every pair must match (trailing whitespace ignored). The budget
-    `timeout_s` applies per sandbox run. `run_python`: the sandbox
-    (``sluice.engines.env.sandbox.run_python``, the process sandbox, unless another is given).
+    pairs, every pair must match (trailing whitespace ignored). A row of the
+    ``humaneval`` problem runs HumanEval's prompt completed by the response, then the
+    row's test program (`sluice.engines.env.problems.humaneval.run_tests`); it scores as
+    ``Score(incorrect, "unparsed")`` when the response holds no Python program and
+    ``"timeout"`` past the deadline. The budget `timeout_s` applies per sandbox run.
+    `run_python`: the sandbox (``sluice.engines.env.sandbox.run_python``, the process
+    sandbox, unless another is given).
     """
+    from sluice.engines.env.problems import humaneval
     from sluice.engines.env.sandbox import run_python as run_in_process
 
     run: Callable[..., SandboxResult] = run_python or run_in_process
@@ -279,7 +285,17 @@ def code_verifier(
         log.warning("code verifier: row %s has no usable 'tests'", row.get("prompt_id"))
         return False
 
+    def verify_humaneval(row: PromptRow, response_text: str) -> float:
+        try:
+            passed, outcome = humaneval.run_tests(row, response_text, run, timeout_s, memory_mb)
+        except Exception as exc:
+            log.warning("code verifier failed on HumanEval row %s: %s", row.get("prompt_id"), exc)
+            return Score(scale.incorrect, "error")
+        return scale(passed) if outcome is None else Score(scale.incorrect, outcome)
+
     def verify_code(row: PromptRow, response_text: str) -> float:
+        if isinstance(row.get(humaneval.ROW_KEY), dict):
+            return verify_humaneval(row, response_text)
         if not isinstance(response_text, str) or not response_text.strip():
             return scale.incorrect
         try:

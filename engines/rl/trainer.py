@@ -23,7 +23,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,77 +39,24 @@ from sluice.engines.rl.batching import (
 from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
-
-OPTIMIZER_FILE = "optimizer.pt"
+from sluice.engines.rl.train_batch import (  # noqa: F401  (TrainingSample: importable from here)
+    TrainBatch,
+    TrainerSettings,
+    TrainingSample,
+    make_batch,
+)
+from sluice.engines.rl.trainer_files import (
+    OPTIMIZER_FILE,
+    RNG_STATE_FILE,
+    TRAINER_STATE_FILE,
+    move_trainer_state,
+    read_tokenizer_files,
+    write_tokenizer_files,
+)
 
 MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
 micro-batch's token sum over the minibatch's token count."""
-TRAINER_STATE_FILE = "trainer_state.json"
-RNG_STATE_FILE = "trainer_rng.pt"
-
-
-@dataclass(frozen=True)
-class TrainingSample:
-    """One scored response, as the trainer needs it."""
-
-    prompt_token_ids: Sequence[int] | np.ndarray
-    """Prompt tokens (context only, never in the loss)."""
-    response_token_ids: Sequence[int] | np.ndarray
-    """Sampled response tokens."""
-    behaviour_logprobs: Sequence[float] | np.ndarray
-    """log π_behav of each response token, recorded by the inference engine."""
-    advantage: float
-    """The sample's advantage, broadcast to every response token."""
-    loss_mask: Sequence[int] | np.ndarray | None = None
-    """Per response token, 1 = trained and 0 = context only (a tool's observation in a
-    multi-turn episode: in the sequence the policy reads, never in the loss, the
-    importance ratio or the token count). None: every response token is trained."""
-
-
-@dataclass(frozen=True)
-class TrainerSettings:
-    """Optimisation settings of the trainer step (bound from `trainer.*` config)."""
-
-    lr: float = 1e-4
-    """AdamW learning rate."""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
-    adam_eps: float = 1e-5
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
-    temperature: float = 1.0
-    """Sampling temperature: log-probs are log_softmax(logits / temperature)."""
-    ppo_minibatches: int = 1
-    """Optimizer steps per train_step."""
-    max_tokens_per_micro_batch: int = 8192
-    """Token budget of one packed micro-batch (prompt + response tokens)."""
-    min_micro_batches: int = 1
-    """Lower bound on micro-batches per minibatch."""
-    seed: int = 0
-    """Seeds the minibatch split."""
-
-
-@dataclass
-class _Batch:
-    """Samples of a step, flattened once."""
-
-    sequences: list[torch.Tensor]
-    prompt_lens: list[int]
-    response_lens: list[int]
-    behaviour_logprobs: torch.Tensor  # flat over response tokens, in sample order
-    advantages: torch.Tensor  # flat over response tokens
-    loss_mask: torch.Tensor  # flat over response tokens: which are trained
-    response_offsets: list[int] = field(default_factory=list)  # start of each sample's tokens
-
-    def __post_init__(self) -> None:
-        self.response_offsets = [0, *np.cumsum(self.response_lens).tolist()]
-
-    def tokens_of(self, index: int, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.response_offsets[index] : self.response_offsets[index + 1]]
 
 
 class PolicyTrainer:
@@ -136,6 +82,7 @@ class PolicyTrainer:
         self.decoupled = decoupled
         self.device = torch.device(device)
         self.model, self.tokenizer = load_policy_dir(model_dir, device=device, dtype=dtype)
+        self._tokenizer_files = read_tokenizer_files(model_dir)
         # Varlen attention over packed rows: Σ l² instead of T², no cross-sequence leakage.
         self.model.set_attn_implementation(register_packed_attention())
         self.model.train()
@@ -227,7 +174,7 @@ class PolicyTrainer:
 
     def _packed_logprobs(
         self,
-        batch: _Batch,
+        batch: TrainBatch,
         indices: Sequence[int],
         packed: PackedBatch,
         entropy_out: list[torch.Tensor] | None = None,
@@ -258,19 +205,21 @@ class PolicyTrainer:
             entropy_out.append(-(log_p.exp() * log_p).sum(-1))
         return logits[positions - 1].gather(-1, targets[:, None]).squeeze(-1) - log_norm
 
-    def _micro_batches(self, batch: _Batch, indices: Sequence[int]) -> list[list[int]]:
+    def _micro_batches(self, batch: TrainBatch, indices: Sequence[int]) -> list[list[int]]:
         lengths = [batch.prompt_lens[i] + batch.response_lens[i] for i in indices]
         plan = dynamic_micro_batches(
             lengths, self.settings.max_tokens_per_micro_batch, self.settings.min_micro_batches
         )
         return [[indices[j] for j in mb] for mb in plan]
 
-    def _gather(self, batch: _Batch, flat: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+    def _gather(
+        self, batch: TrainBatch, flat: torch.Tensor, indices: Sequence[int]
+    ) -> torch.Tensor:
         return torch.cat([batch.tokens_of(i, flat) for i in indices])
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: _Batch, entropy_out: list[torch.Tensor] | None = None
+        self, batch: TrainBatch, entropy_out: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
         """log π of every response token under the current weights (flat, sample order)."""
         self._set_training(False)
@@ -298,52 +247,11 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ the step
 
-    @staticmethod
-    def make_batch(samples: Sequence[TrainingSample]) -> _Batch:
-        kept = [s for s in samples if len(s.response_token_ids) > 0]
-        if not kept:
-            raise ValueError("train_step got no sample with response tokens")
-        sequences, prompt_lens, response_lens, behaviour, advantages = [], [], [], [], []
-        masks = []
-        for s in kept:
-            prompt = torch.as_tensor(np.asarray(s.prompt_token_ids), dtype=torch.int64)
-            response = torch.as_tensor(np.asarray(s.response_token_ids), dtype=torch.int64)
-            logprobs = torch.as_tensor(np.asarray(s.behaviour_logprobs), dtype=torch.float32)
-            if logprobs.numel() != response.numel():
-                raise ValueError(
-                    f"a sample has {response.numel()} response tokens but {logprobs.numel()} behaviour log-probs"
-                )
-            if prompt.numel() == 0:
-                raise ValueError(
-                    "a sample has an empty prompt; the first response token needs context"
-                )
-            sequences.append(torch.cat([prompt, response]))
-            prompt_lens.append(prompt.numel())
-            response_lens.append(response.numel())
-            behaviour.append(logprobs)
-            advantages.append(torch.full((response.numel(),), float(s.advantage)))
-            if s.loss_mask is None:
-                masks.append(torch.ones(response.numel(), dtype=torch.bool))
-            else:
-                mask = torch.as_tensor(np.asarray(s.loss_mask), dtype=torch.bool)
-                if mask.numel() != response.numel():
-                    raise ValueError(
-                        f"a sample has {response.numel()} response tokens but a loss mask "
-                        f"of {mask.numel()}"
-                    )
-                masks.append(mask)
-        return _Batch(
-            sequences,
-            prompt_lens,
-            response_lens,
-            torch.cat(behaviour),
-            torch.cat(advantages),
-            torch.cat(masks),
-        )
+    make_batch = staticmethod(make_batch)
 
     def _minibatch_loss(
         self,
-        batch: _Batch,
+        batch: TrainBatch,
         plan: list[list[int]],
         packed: list[PackedBatch],
         num_global_tokens: int,
@@ -467,18 +375,23 @@ class PolicyTrainer:
         out_dir: str | Path,
         *,
         include_optimizer: bool = True,
+        state_dir: str | Path | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Path:
-        """Write an HF model directory (+ optimizer and minibatch-RNG state) that inference engines load."""
+        """Write an HF model directory that inference engines load; the trainer state (optimizer,
+        RNG, trainer_state.json with `extra`) goes to `state_dir` if given, else beside it."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if not self._save_weights_and_optimizer(out, include_optimizer):
             return out
-        self.tokenizer.save_pretrained(out)
+        state = out if state_dir is None else Path(state_dir)
+        if state != out:  # every rank's optimizer shard is on disk by now
+            move_trainer_state(out, state)
+        write_tokenizer_files(self._tokenizer_files, self.tokenizer, out)
         if include_optimizer:
-            torch.save(self._generator.get_state(), out / RNG_STATE_FILE)
-        state = {**self._saved_state(), **(extra or {})}
-        (out / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+            torch.save(self._generator.get_state(), state / RNG_STATE_FILE)
+        saved = {**self._saved_state(), **(extra or {})}
+        (state / TRAINER_STATE_FILE).write_text(json.dumps(saved, indent=2))
         return out
 
     def _saved_state(self) -> dict[str, Any]:

@@ -216,6 +216,8 @@ def run_config(
             "seed": seed,
             "staleness.max_staleness": contender.max_staleness,
             "trainer.time_budget_s": horizon_s,
+            # Any version may be scored after the run (the refining search picks them).
+            "storage.keep_versions": 0,
         },
     )
 

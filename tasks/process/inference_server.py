@@ -63,6 +63,8 @@ class EmbeddedServer:
             str(config.rollout.weight_noise_std),
             "--exit-with-parent",
         ]
+        if config.rollout.max_seq_len is not None:
+            argv += ["--max-seq-len", str(config.rollout.max_seq_len)]
         from sluice.infra.serving.server import main as serve_main
 
         self.process = start_forked_or_fresh(

@@ -19,7 +19,6 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.docker_servers import (
     SLUICE_IMAGE,
@@ -31,6 +30,7 @@ from sluice.tasks.process.inference_server import free_port, write_launched_serv
 from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import run_paths, run_registry
 from sluice.tasks.run.threads import role_threads
+from sluice.tasks.run.versions import fetch_policy
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ def server_specs(
             dtype=config.rollout.dtype,
             device="cuda" if per else "cpu",
             max_batch_size=config.rollout.max_batch_size,
+            max_seq_len=config.rollout.max_seq_len,
             num_threads=None if per else role_threads(config, "rollout"),
             extra_args=tuple(launch.extra_args),
         )
@@ -106,9 +107,7 @@ def run_servers(
     if start is None:
         raise RuntimeError(f"run {run_id} has no committed policy version to serve")
     local = Path(config.workdir) / "runs" / run_id
-    model_dir = fetch_checkpoint(
-        start.checkpoint_uri, local / "server-weights", config.storage.options, keep_latest=1
-    )
+    model_dir = fetch_policy(config, start, local / "server-weights", keep_latest=1)
     servers = ServerContainers(
         server_specs(config, ports, model_dir, start.policy_version),
         run_id,

@@ -1,8 +1,9 @@
 """The books of a finished run, read back from storage and the registry: what a fault
 could have broken, counted.
 
-- every committed version's checkpoint is complete (its manifest verifies), the alias
-  names the newest one, and the run reached its step count;
+- every committed version's checkpoint is complete (its manifest verifies) unless
+  retention deleted it (tagged `sluice.deleted`), the newest version's trainer state is
+  complete, the alias names the newest version, and the run reached its step count;
 - no shard was acked twice by one consumer (`reward` over rollouts, `trainer` over
   scored), and no scored shard went into two versions;
 - version v trained exactly the groups issued as numbers (v-1)B .. vB-1: none lost,
@@ -20,8 +21,8 @@ from sluice.engines.rl.groups import group_index_of
 from sluice.infra.checkpoints import CheckpointError, verify_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.streams.reader import StreamReader
-from sluice.tasks.run.paths import ROLLOUTS, SCORED, read_json, run_registry
-from sluice.tasks.train import CONSUMED_FILE
+from sluice.tasks.run.paths import ROLLOUTS, SCORED, run_paths, run_registry
+from sluice.tasks.run.versions import read_consumed
 
 
 @dataclass
@@ -85,9 +86,15 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
     audit.versions = [v.policy_version for v in committed]
     latest = registry.latest()
     audit.alias_version = latest.policy_version if latest else None
+    paths = run_paths(config, run_id)
     for version in committed:
+        if version.deleted:
+            continue
         try:
             verify_checkpoint(version.checkpoint_uri, options, check_hashes=True)
+            if version is committed[-1] and version.policy_version > 0:
+                state = paths.trainer_state(version.policy_version)
+                verify_checkpoint(state, options, check_hashes=True)
         except (CheckpointError, OSError):
             audit.incomplete_versions.append(version.policy_version)
 
@@ -113,7 +120,7 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
     B = config.trainer.prompts_per_batch
     listed: Counter[str] = Counter()
     for version in committed[1:]:
-        names = read_json(config, f"{version.checkpoint_uri}/{CONSUMED_FILE}") or []
+        names = read_consumed(config, paths, version)
         listed.update(names)
         trained: set[int] = set()
         for name in names:

@@ -43,7 +43,21 @@ class RunPaths:
         return f"{self.prefix}/checkpoints"
 
     def checkpoint(self, policy_version: int) -> str:
+        """The published policy: weights, config, tokenizer; what every reader fetches."""
         return f"{self.checkpoints}/v{policy_version:06d}"
+
+    @property
+    def trainer_states(self) -> str:
+        return f"{self.checkpoints}/trainer_state"
+
+    def trainer_state(self, policy_version: int) -> str:
+        """Optimizer, RNG and trainer_state.json of a version: what a resuming trainer
+        reads beside the policy (kept for the newest committed version only)."""
+        return f"{self.trainer_states}/v{policy_version:06d}"
+
+    def consumed(self, policy_version: int) -> str:
+        """The scored shards a version trained on (JSON list; kept for every version)."""
+        return f"{self.checkpoints}/consumed/v{policy_version:06d}.json"
 
     @property
     def control(self) -> str:

@@ -9,7 +9,7 @@ import pytest
 from sluice.infra.config import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.streams.reader import StreamReader
-from sluice.tasks.run.paths import registered_model_name
+from sluice.tasks.run.paths import registered_model_name, run_paths
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -36,7 +36,8 @@ def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, 
     assert len(trainer.acked()) == 3 * longer.trainer.prompts_per_batch
 
     newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
-    state = json.loads((newest / "trainer_state.json").read_text())
+    trainer_state = Path(run_paths(longer, "mg").trainer_state(3).removeprefix("file://"))
+    state = json.loads((trainer_state / "trainer_state.json").read_text())
     assert state["backend"] == "megatron"
     assert state["steps_done"] == 3
     engine = InferenceEngine(newest, max_batch_size=2, max_seq_len=32)
@@ -69,9 +70,12 @@ def test_a_two_rank_run_trains_with_a_following_rank_and_leaves_none(
 
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, size))
     newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
-    # Rank 1 kept its own optimizer shard beside rank 0's gathered HF weights.
-    assert (newest / "optimizer.pt").exists() and (newest / shard).exists()
-    assert json.loads((newest / "trainer_state.json").read_text())["steps_done"] == 2
+    # Rank 1 kept its own optimizer shard beside rank 0's, in the version's trainer state;
+    # the published folder holds rank 0's gathered HF weights only.
+    state = Path(run_paths(config, size).trainer_state(2).removeprefix("file://"))
+    assert (state / "optimizer.pt").exists() and (state / shard).exists()
+    assert json.loads((state / "trainer_state.json").read_text())["steps_done"] == 2
+    assert not list(newest.glob("optimizer*")) and (newest / "model.safetensors").exists()
     assert _spawned_children() - before == set()
 
 

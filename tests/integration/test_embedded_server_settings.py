@@ -1,4 +1,5 @@
-"""The rollout's embedded server runs on the run's `device` and `rollout.dtype`."""
+"""The rollout's embedded server runs on the run's `device`, `rollout.dtype` and
+`rollout.max_seq_len` (its KV slots' length)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ SHIPPED = (
 )
 
 
-def test_embedded_server_reports_the_configured_device_and_dtype(tmp_path):
-    config = load_config("default", ["device=cpu", "rollout.dtype=bfloat16"])
+def test_embedded_server_reports_the_configured_device_dtype_and_slot_length(tmp_path):
+    overrides = ["device=cpu", "rollout.dtype=bfloat16", "rollout.max_seq_len=300"]
+    config = load_config("default", overrides)
     server = EmbeddedServer(config, SHIPPED, 0, tmp_path)
     try:
         deadline = time.monotonic() + 120
@@ -37,5 +39,6 @@ def test_embedded_server_reports_the_configured_device_and_dtype(tmp_path):
         assert info is not None, (tmp_path / "inference-server.log").read_text()
         assert info["device"] == "cpu"
         assert info["dtype"] == "bfloat16"
+        assert info["max_context_length"] == 300  # the model's 512 positions, cut to the setting
     finally:
         server.stop()

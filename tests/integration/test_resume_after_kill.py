@@ -6,7 +6,6 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +18,7 @@ from sluice.tasks.process.supervisor import role_command
 from sluice.tasks.run.paths import registered_model_name, run_paths
 from sluice.tasks.run.prepare import ensure_version_zero
 from sluice.tasks.run.status import read_statuses
+from sluice.tasks.run.versions import read_consumed
 from tests.flows.conftest import tiny_run_overrides
 from tests.integration.conftest import stop_process_group
 
@@ -99,10 +99,7 @@ def test_sigkill_and_restart_of_a_role_loses_nothing_and_trains_nothing_twice(tm
 
     # Each trained shard went into exactly one version, and the trainer's ledger agrees.
     trainer = StreamReader(config.storage.url, run_id, "scored", consumer="trainer")
-    consumed_by_version = {}
-    for v in versions[1:]:
-        path = v.checkpoint_uri.removeprefix("file://") + "/consumed_shards.json"
-        consumed_by_version[v.policy_version] = json.loads(Path(path).read_text())
+    consumed_by_version = {v.policy_version: read_consumed(config, paths, v) for v in versions[1:]}
     every = [name for names in consumed_by_version.values() for name in names]
     assert len(every) == len(set(every)) == 5 * config.trainer.prompts_per_batch
     assert set(every) == trainer.acked()

@@ -115,3 +115,33 @@ def test_checkpoints_save_verify_and_fetch_on_s3(s3_root: S3Root, tmp_path: Path
     # Same weights again: the retry is a no-op and the fetch a cache hit.
     assert save_checkpoint(source, url, s3_root[1]) == url
     assert fetch_checkpoint(url, tmp_path / "cache", s3_root[1], keep_latest=1) == fetched
+
+
+def test_a_reader_fetches_only_its_part_and_a_deleted_checkpoint_is_gone_on_s3(
+    s3_root: S3Root, tmp_path: Path
+) -> None:
+    from sluice.infra.checkpoints import CheckpointIncomplete, delete_checkpoint
+
+    source = tmp_path / "policy"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "tokenizer.json").write_text('{"model": {}}')
+    (source / "model.safetensors").write_bytes(b"\x02" * 80_000)
+    url = save_checkpoint(source, f"{s3_root[0]}/ckpt-{uuid.uuid4().hex[:6]}", s3_root[1])
+    fs, path = open_filesystem(url, s3_root[1])
+    fs.rm_file(f"{path}/model.safetensors")  # a tokenizer reader never asks for it
+
+    tokenizer = fetch_checkpoint(
+        url, tmp_path / "cache", s3_root[1], select=lambda name: not name.endswith(".safetensors")
+    )
+    assert sorted(p.name for p in tokenizer.iterdir()) == [
+        "config.json",
+        "sluice_manifest.json",
+        "tokenizer.json",
+    ]
+
+    assert delete_checkpoint(url, s3_root[1]) is True
+    assert list_names(fs, path) == []
+    with pytest.raises(CheckpointIncomplete):
+        verify_checkpoint(url, s3_root[1])
+    assert delete_checkpoint(url, s3_root[1]) is False  # nothing left: a retry is a no-op

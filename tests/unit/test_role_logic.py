@@ -341,6 +341,8 @@ def test_a_restarted_trainer_repairs_a_lagging_alias_and_acks_what_that_version_
 
 
 class Prompts:
+    stop_token_ids = (2, 5)
+
     def train_prompt(self, index: int) -> tuple[dict[str, Any], list[int]]:
         return {"prompt_id": f"p{index}"}, [index, index + 1]
 
@@ -355,6 +357,7 @@ def test_a_sync_step_asks_its_b_groups_g_times_each_with_seeded_samples(config):
     assert sample_seed(7, 3, 1) == 7 * 1_000_003 + 3 * 1009 + 1  # the seeds runs were made with
     assert [r.sampling.seed for r in requests[:3]] == [sample_seed(7, 8, k) for k in range(3)]
     assert len({r.sampling.seed for r in requests}) == 6
+    assert {r.sampling.stop_token_ids for r in requests} == {(2, 5)}  # the policy's end tokens
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,8 @@ def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(co
     from sluice.tasks.evaluate import eval_requests, eval_seed
 
     config.evaluation.samples, config.seed = 2, 3
-    requests = eval_requests(config, [[1], [2]], temperature=0.7, with_greedy=True)
+    requests = eval_requests(config, [[1], [2]], 0.7, with_greedy=True, stop_token_ids=(2,))
+    assert {r.sampling.stop_token_ids for r in requests} == {(2,)}
     assert [r.prompt_token_ids for r in requests] == [[1], [1], [1], [2], [2], [2]]
     assert [r.sampling.seed for r in requests[:2]] == [eval_seed(3, 0, 0), eval_seed(3, 0, 1)]
     assert eval_seed(3, 1, 1) == 3 * 1_000_003 + 101 + 1

@@ -5,11 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.engines.env.problems.base import Problem
+from sluice.engines.env.problems.humaneval import HumanEvalProblem
 from sluice.engines.env.problems.longtail import LongTailSum
 from sluice.engines.env.problems.reasoning_gym import ReasoningGymProblem
 from sluice.engines.env.problems.tool_arith import ToolArith
 
-BUILTIN_PROBLEMS: dict[str, type[LongTailSum] | type[ToolArith] | type[ReasoningGymProblem]] = {
+BUILTIN_PROBLEMS: dict[
+    str,
+    type[LongTailSum] | type[ToolArith] | type[ReasoningGymProblem] | type[HumanEvalProblem],
+] = {
+    "humaneval": HumanEvalProblem,
     "longtail_sum": LongTailSum,
     "reasoning_gym": ReasoningGymProblem,
     "tool_arith": ToolArith,

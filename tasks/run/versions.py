@@ -1,0 +1,168 @@
+"""A published policy version's files: what each reader fetches, and where the trainer's
+own state lives.
+
+A version is published as two checkpoints and one list (``RunPaths``):
+
+- ``checkpoints/vNNNNNN/``: the policy, a Hugging Face directory (weights, config,
+  generation config, tokenizer and chat template files, the manifest). The registry's
+  model version points here; rollout and evaluation fetch it, the reward role only its
+  tokenizer files.
+- ``checkpoints/trainer_state/vNNNNNN/``: the optimizer state (AdamW moments: twice the
+  weights), the minibatch RNG and ``trainer_state.json``, with their own manifest. Only a
+  resuming trainer reads it, and only the newest committed version's is kept.
+- ``checkpoints/consumed/vNNNNNN.json``: the scored shards the version trained on, the
+  run's exactly-once record (a few KB; kept for every version).
+
+All three are durable before the version is committed (``TrainingRole.commit_version``),
+so a trainer resuming from the newest committed version always finds its state. A
+version published before the trainer state moved out carries it in the policy
+directory; such a run still resumes, and its readers skip those files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.engines.rl.trainer import PolicyTrainer
+from sluice.engines.rl.trainer_files import TRAINER_STATE_FILE, is_trainer_state_file
+from sluice.infra.checkpoint_cache import fetch_checkpoint
+from sluice.infra.checkpoints import (
+    MANIFEST_NAME,
+    CheckpointIncomplete,
+    open_checkpoint_fs,
+    read_manifest,
+)
+from sluice.infra.config import RunConfig
+from sluice.infra.registry import CheckpointRegistry, CommittedVersion
+from sluice.infra.storage import exists, put_atomic
+from sluice.tasks.run.paths import RunPaths, read_json
+
+CONSUMED_FILE = "consumed_shards.json"
+"""Where versions published before the trainer state moved out kept their consumed list
+(in the policy directory)."""
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf")
+"""File endings of weights (and of the index naming their shards)."""
+
+
+def is_policy_file(name: str) -> bool:
+    """What an inference engine loads: every file but trainer state (and the consumed
+    list that old versions kept beside the weights)."""
+    return not is_trainer_state_file(name) and name.rsplit("/", 1)[-1] != CONSUMED_FILE
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """What a tokenizer loads: the policy without its weights (tokenizer, chat template
+    and the small config files a tokenizer may consult)."""
+    return is_policy_file(name) and not name.endswith(WEIGHT_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class SavedVersion:
+    """A version the trainer saved to local disk, before it is uploaded and committed."""
+
+    policy: Path
+    """The Hugging Face directory readers will fetch."""
+    trainer_state: Path
+    """Optimizer, RNG and trainer_state.json: only a resuming trainer reads them."""
+
+
+def save_version(trainer: PolicyTrainer, local: Path, version: int) -> SavedVersion:
+    """Save the trainer's weights and its state as version `version` under `local`."""
+    if local.exists():
+        shutil.rmtree(local)
+    saved = SavedVersion(local / "policy", local / "trainer_state")
+    trainer.save(saved.policy, state_dir=saved.trainer_state, extra={"policy_version": version})
+    return saved
+
+
+def write_consumed(config: RunConfig, paths: RunPaths, version: int, names: list[str]) -> None:
+    """Record the scored shards `version` trained on (one atomic object)."""
+    fs, path = open_checkpoint_fs(paths.consumed(version), config.storage.options)
+    put_atomic(fs, path, json.dumps(names).encode())
+
+
+def read_consumed(config: RunConfig, paths: RunPaths, version: CommittedVersion) -> list[str]:
+    """The scored shards committed `version` trained on ([] for version 0 or when none
+    were recorded); read from the policy directory for versions published before
+    the list moved out of it."""
+    names = read_json(config, paths.consumed(version.policy_version))
+    if names is None:
+        names = read_json(config, f"{version.checkpoint_uri}/{CONSUMED_FILE}")
+    return list(names or [])
+
+
+def fetch_policy(
+    config: RunConfig, version: CommittedVersion, cache_dir: Path, keep_latest: int | None = None
+) -> Path:
+    """`version`'s policy on local disk (the storage path itself for a local URL)."""
+    return fetch_checkpoint(
+        version.checkpoint_uri,
+        cache_dir,
+        storage_options=config.storage.options,
+        keep_latest=keep_latest,
+        select=is_policy_file,
+    )
+
+
+def fetch_tokenizer(config: RunConfig, version: CommittedVersion, cache_dir: Path) -> Path:
+    """A directory holding `version`'s tokenizer files; no weight file is read."""
+    return fetch_checkpoint(
+        version.checkpoint_uri,
+        cache_dir,
+        storage_options=config.storage.options,
+        select=is_tokenizer_file,
+    )
+
+
+def fetch_training_dir(
+    config: RunConfig, paths: RunPaths, version: CommittedVersion, local_root: Path
+) -> Path:
+    """A directory a trainer resumes `version` from: its policy files and trainer state.
+
+    Raises CheckpointIncomplete naming the trainer state's URL when a version after 0
+    has none (deleted or damaged outside Sluice): resuming with a fresh optimizer would
+    silently leave the run it continues.
+    """
+    options = config.storage.options
+    state_url = paths.trainer_state(version.policy_version)
+    fs, state_path = open_checkpoint_fs(state_url, options)
+    # One copy per cache: a restart needs the newest version only.
+    if exists(fs, f"{state_path}/{MANIFEST_NAME}"):
+        policy = fetch_policy(config, version, local_root / "init", keep_latest=1)
+        state = fetch_checkpoint(state_url, local_root / "init-state", options, keep_latest=1)
+        return _side_by_side(policy, state, local_root / "resume")
+    names = {entry.name for entry in read_manifest(version.checkpoint_uri, options).files}
+    if TRAINER_STATE_FILE in names or version.policy_version == 0:
+        # Version 0 starts a fresh optimizer; an old version carries its state inside.
+        return fetch_checkpoint(version.checkpoint_uri, local_root / "init", options, keep_latest=1)
+    raise CheckpointIncomplete(
+        f"the trainer state of policy version {version.policy_version} is missing: no "
+        f"{MANIFEST_NAME} at {state_url!r}"
+    )
+
+
+def _side_by_side(policy: Path, state: Path, into: Path) -> Path:
+    """`into` made a directory of links to every file of `policy` and `state`."""
+    if into.exists():
+        shutil.rmtree(into)
+    into.mkdir(parents=True)
+    for source in (policy, state):
+        for path in source.rglob("*"):
+            if path.is_file() and path.name != MANIFEST_NAME:
+                link = into / path.relative_to(source)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(path.resolve())
+    return into
+
+
+def superseded(registry: CheckpointRegistry, version: CommittedVersion) -> bool:
+    """Whether `version` was deleted by retention or a newer one is committed: a reader
+    that could not fetch it should move on to the newest instead of failing."""
+    now = registry.get(version.policy_version)
+    latest = registry.latest()
+    return (now is not None and now.deleted) or (
+        latest is not None and latest.policy_version > version.policy_version
+    )
