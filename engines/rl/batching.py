@@ -188,6 +188,11 @@ class PackedBatch:
     """Index of the sequence each token belongs to, [total_tokens] int64."""
     max_seqlen: int
     """Longest sequence in the row."""
+    logit_rows: Tensor | None = None
+    """Positions whose logits are read (those that predict a response token), int64; None
+    = every position. A backend may compute the LM head at these rows only: with a 49k
+    vocabulary the head and its log-softmax are a large share of a small model's work,
+    and the prompt's positions predict nothing that is trained."""
 
     @property
     def total_tokens(self) -> int:
@@ -220,6 +225,7 @@ class PackedBatch:
             seq_lens=self.seq_lens.to(device),
             sequence_ids=self.sequence_ids.to(device),
             max_seqlen=self.max_seqlen,
+            logit_rows=None if self.logit_rows is None else self.logit_rows.to(device),
         )
 
 

@@ -13,12 +13,15 @@ One call of :meth:`PolicyTrainer.train_step` is one policy version (AReaL §4):
 
 The trainer never branches on an algorithm name: the loss and correction arrive as
 functions bound from config (`make_policy_loss`, `make_rollout_correction`).
-Departure: the full-vocabulary logits of a micro-batch are materialised, which is
-fine for small vocabularies; large-vocabulary models want a chunked log-softmax.
+Departure: the full-vocabulary logits are materialised, at the positions that predict a
+response token only (prompt positions train nothing, and with a 49k vocabulary the LM
+head is a large share of a small model's work); very large vocabularies want a chunked
+log-softmax as well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -123,12 +126,15 @@ class PolicyTrainer:
         self.optimizer.load_state_dict(torch.load(path, map_location=self.device))
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
-        """Logits ``[total_tokens, vocab]`` of a packed row under the current weights."""
+        """Logits of a packed row under the current weights: ``[rows, vocab]`` at
+        ``packed.logit_rows`` (the LM head runs at those rows only), else at every token."""
+        keep = {} if packed.logit_rows is None else {"logits_to_keep": packed.logit_rows}
         out = self.model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             use_cache=False,
             **packed.attention_kwargs(),
+            **keep,
         )
         logits: torch.Tensor = out.logits[0]
         return logits
@@ -188,22 +194,36 @@ class PolicyTrainer:
         """
         if logits is None:
             logits = self._logits(packed)
+        positions = self._response_positions(batch, indices, packed).to(logits.device)
+        if logits.shape[0] == packed.total_tokens:  # every row: keep those that predict
+            logits = logits[positions - 1]  # the token at p is predicted at p - 1
         logits = logits.float() / self.settings.temperature
-        # The token at position p is predicted by the logits at p - 1.
-        starts = packed.cu_seqlens[:-1].to(torch.int64)
-        positions = torch.cat(
+        targets = packed.input_ids[0, positions]
+        log_norm = torch.logsumexp(logits, dim=-1)
+        if entropy_out is not None:
+            log_p = logits - log_norm[:, None]
+            entropy_out.append(-(log_p.exp() * log_p).sum(-1))
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+
+    @staticmethod
+    def _response_positions(
+        batch: TrainBatch, indices: Sequence[int], packed: PackedBatch
+    ) -> torch.Tensor:
+        """Where the response tokens of the samples in `indices` sit in their packed row."""
+        starts = packed.cu_seqlens[:-1].to(torch.int64).cpu()
+        return torch.cat(
             [
                 torch.arange(batch.prompt_lens[i], batch.prompt_lens[i] + batch.response_lens[i])
                 + int(starts[k])
                 for k, i in enumerate(indices)
             ]
-        ).to(logits.device)
-        targets = packed.input_ids[0, positions]
-        log_norm = torch.logsumexp(logits[positions - 1], dim=-1)
-        if entropy_out is not None:
-            log_p = logits[positions - 1] - log_norm[:, None]
-            entropy_out.append(-(log_p.exp() * log_p).sum(-1))
-        return logits[positions - 1].gather(-1, targets[:, None]).squeeze(-1) - log_norm
+        )
+
+    def _pack(self, batch: TrainBatch, indices: Sequence[int]) -> PackedBatch:
+        """The samples in `indices` packed into one row, their logit rows marked."""
+        packed = pack_sequences([batch.sequences[i] for i in indices])
+        rows = self._response_positions(batch, indices, packed) - 1
+        return dataclasses.replace(packed, logit_rows=rows).to(self.device)
 
     def _micro_batches(self, batch: TrainBatch, indices: Sequence[int]) -> list[list[int]]:
         lengths = [batch.prompt_lens[i] + batch.response_lens[i] for i in indices]
@@ -224,7 +244,7 @@ class PolicyTrainer:
         """log π of every response token under the current weights (flat, sample order)."""
         self._set_training(False)
         plan = self._micro_batches(batch, list(range(len(batch.sequences))))
-        packed = [pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan]
+        packed = [self._pack(batch, mb) for mb in plan]
 
         def read(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             entropy: list[torch.Tensor] | None = [] if entropy_out is not None else None
@@ -319,9 +339,7 @@ class PolicyTrainer:
             if not minibatch:
                 continue
             plan = self._micro_batches(batch, minibatch)
-            packed = [
-                pack_sequences([batch.sequences[i] for i in mb]).to(self.device) for mb in plan
-            ]
+            packed = [self._pack(batch, mb) for mb in plan]
             # Trained tokens only: a tool's observation tokens are not in the mean.
             token_counts = [int(self._gather(batch, loss_mask, mb).sum()) for mb in plan]
             micro_batch_count += len(plan)
