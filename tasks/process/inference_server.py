@@ -14,12 +14,11 @@ from typing import Any
 
 from sluice.infra.config import RunConfig
 from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh
-from sluice.tasks.run.paths import read_json, run_paths, write_json
+from sluice.tasks.run.paths import START_FILE, read_json, run_paths, write_json
 from sluice.tasks.run.threads import role_threads
 
 log = logging.getLogger("sluice.rollout")
 
-START_FILE = "start.json"
 """Control-dir document the flow writes once the run's starting version is committed."""
 SERVERS_FILE = "servers.json"
 """Control-dir document naming the servers the run launched (`servers.launch: docker`)."""

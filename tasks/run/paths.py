@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 ROLES = ("rollout", "reward", "train", "evaluate")
 ROLLOUTS, SCORED = "rollouts", "scored"
+START_FILE = "start.json"
+"""Control document naming the committed version the run (re)started from: the version
+the rollout role's servers load first, and a launched container again when restarted."""
 """The two trajectory streams: generated groups, then the same groups with rewards."""
 
 

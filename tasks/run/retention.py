@@ -9,6 +9,8 @@ would leave ~240 GB. After each commit the trainer's background thread keeps
 - the policy of every version the evaluation schedule still has to score: those
   `should_evaluate` names, not yet tagged with a result and newer than the newest
   version scored (the evaluate role never goes back to an older one);
+- the policy of the version the run (re)started from (the control document `start.json`):
+  a launched server container that dies is restarted on it, then brought forward;
 - the trainer state of the newest committed version only (a resume reads no other);
 - every version's consumed list (a few KB: the run's exactly-once record).
 
@@ -28,7 +30,7 @@ from sluice.infra.config import RunConfig
 from sluice.infra.registry import CheckpointRegistry, CommittedVersion
 from sluice.infra.storage import list_names
 from sluice.tasks.evaluate import should_evaluate
-from sluice.tasks.run.paths import RunPaths
+from sluice.tasks.run.paths import START_FILE, RunPaths, read_json
 
 log = logging.getLogger("sluice.retention")
 EVALUATED_TAG = "eval.reward"
@@ -102,7 +104,7 @@ class Retention:
             committed,
             self.config.storage.keep_versions,
             aliased,
-            awaiting_evaluation(committed, self.config),
+            awaiting_evaluation(committed, self.config) | self._start_version(),
         )
         options = self.config.storage.options
         ours = canonical_url(self.paths.checkpoints, options).rstrip("/") + "/"
@@ -124,6 +126,12 @@ class Retention:
                 continue  # its files stay until the registry says nobody may load them
             if self._delete(version.checkpoint_uri, f"policy version {version.policy_version}"):
                 self.deleted.append(version.policy_version)
+
+    def _start_version(self) -> set[int]:
+        """The version the run (re)started from: a launched server container that dies is
+        restarted on those weights (then brought forward), so they must stay."""
+        start = read_json(self.config, f"{self.paths.control}/{START_FILE}")
+        return {int(start["policy_version"])} if start and "policy_version" in start else set()
 
     def _delete(self, url: str, what: str) -> bool:
         try:

@@ -91,6 +91,24 @@ def test_retention_keeps_newest_pinned_and_unevaluated_versions_and_deletes_the_
     assert role.retention.deleted == [0, 4, 3, 5]
 
 
+def test_the_version_a_run_restarted_from_stays_while_newer_ones_come_and_go(
+    config, role, tmp_path
+):
+    from sluice.tasks.process.inference_server import write_start
+
+    publish(role, tmp_path, 0)
+    role.registry.set_tag(0, "eval.reward", "0.1")
+    publish(role, tmp_path, 1)
+    # The run restarts from version 1: a launched server container that dies is started
+    # again on version 1's weights, so retention must leave them.
+    write_start(config, "run", 1, role.registry.get(1).checkpoint_uri)
+    for version in range(2, 6):
+        publish(role, tmp_path, version)
+    # Newest 2: 4, 5. Awaiting evaluation: 3. The start: 1. Let go: 0, 2.
+    assert on_storage(config) == {f"v{v:06d}" for v in (1, 3, 4, 5)}
+    assert deleted_tags(role) == {0, 2}
+
+
 def test_keep_versions_zero_keeps_every_policy_but_only_the_newest_trainer_state(
     local_run_config, tmp_path
 ):
