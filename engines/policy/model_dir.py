@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-ChatTemplateMode = Literal["auto", "always", "never"]
+from sluice.engines.policy.importer import TOKENIZER_FILES  # one list: import checks it too
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-"""Any one of these makes a directory's tokenizer loadable by ``AutoTokenizer`` (the
-first two carry a whole tokenizer; a ``vocab.json`` needs its ``merges.txt``)."""
+ChatTemplateMode = Literal["auto", "always", "never"]
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 """Where newer Hugging Face saves put the chat template instead of tokenizer_config.json."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sluice.engines.policy.model_dir import (
+    TOKENIZER_FILES,
     ModelDirError,
     check_model_dir,
     declared_end_token_ids,
@@ -213,9 +214,9 @@ def test_sluice_train_refuses_a_directory_without_a_tokenizer_in_one_line_creati
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
+    names = ", ".join(TOKENIZER_FILES)
     assert done.stderr.splitlines() == [
-        f"sluice: error: model.path '{model}' has no tokenizer (none of tokenizer.json, "
-        "tokenizer.model, vocab.json, tokenizer_config.json); save the model's tokenizer "
-        "into the same directory"
+        f"sluice: error: model.path '{model}' has no tokenizer (none of {names}); save the "
+        "model's tokenizer into the same directory"
     ]
     assert not work.exists() and not (tmp_path / "store").exists()
