@@ -95,3 +95,18 @@ def moto_s3() -> Iterator[S3Endpoint]:
 def s3_root(moto_s3: S3Endpoint) -> tuple[str, dict[str, Any]]:
     """A fresh ``s3://`` root (its own key prefix) and the storage options to reach it."""
     return f"s3://{moto_s3.bucket}/t-{uuid.uuid4().hex[:10]}", moto_s3.storage_options()
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[Any]:
+    """A Docker sandbox with two warm containers (256 MB each), shared by a module's
+    tests; skips with the reason where no Docker engine or base image answers."""
+    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
+
+    try:
+        box = DockerSandbox(pool_size=2, memory_mb=256)
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    box.wait_warm()
+    yield box
+    box.close()

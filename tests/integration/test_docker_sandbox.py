@@ -6,23 +6,10 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker]
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Iterator[object]:
-    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
-
-    try:
-        box = DockerSandbox(pool_size=2, memory_mb=256)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
-    yield box
-    box.close()
 
 
 def test_the_code_verifier_scores_through_containers(sandbox) -> None:

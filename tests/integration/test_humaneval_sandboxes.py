@@ -6,7 +6,6 @@ they do in the process sandbox."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -50,19 +49,6 @@ def test_the_reward_pool_scores_humaneval_and_counts_unparsed_answers() -> None:
 
 
 # ------------------------------------------------------------------ containers
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Iterator[object]:
-    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
-
-    try:
-        box = DockerSandbox(pool_size=2, memory_mb=256)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
-    box.wait_warm()
-    yield box
-    box.close()
 
 
 @pytest.mark.docker
