@@ -91,6 +91,8 @@ class RolloutStats:
     observation_tokens: int = 0
     engine_profile: dict[str, Any] | None = None
     """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
+    server_peak_rss_mb: float | None = None
+    """The largest peak resident memory any inference server reported, MiB."""
 
     def record_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Count one group written to the stream (`rows`: its samples, `TrajectoryRow`s
@@ -126,6 +128,11 @@ class RolloutStats:
             "server_recoveries": self.server_recoveries,
             **(self.episode_status() if self.episode_turns else {}),
             **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
+            **(
+                {"server_peak_rss_mb": self.server_peak_rss_mb}
+                if self.server_peak_rss_mb is not None
+                else {}
+            ),
         }
 
     def episode_status(self) -> dict[str, Any]:
@@ -436,19 +443,22 @@ class RolloutRole(Role):
         self.status.update(force=True, state="stopped", **self.stats.as_status())
 
     async def read_profiles(self, client: InferenceClient) -> None:
-        """Keep the servers' measured step costs for the run's status (best effort: a
-        server that does not answer now is read next time)."""
+        """Keep the servers' measured step costs and peak memory for the run's status
+        (best effort: a server that does not answer now is read next time)."""
         try:
-            profiles = await asyncio.wait_for(client.step_profiles(), PROFILE_READ_TIMEOUT_S)
+            states = await asyncio.wait_for(client.server_states(), PROFILE_READ_TIMEOUT_S)
         except (InferenceServerError, ValueError, TimeoutError) as exc:
-            log.debug("step profiles not read: %s", exc or type(exc).__name__)
+            log.debug("server states not read: %s", exc or type(exc).__name__)
             return
         merged: StepProfile | None = None
-        for data in profiles.values():
-            if data is None:
-                continue
-            profile = StepProfile.from_dict(data)
-            merged = profile if merged is None else merged.merged(profile)
+        for state in states.values():
+            data = state.get("step_profile")
+            if isinstance(data, dict):
+                profile = StepProfile.from_dict(data)
+                merged = profile if merged is None else merged.merged(profile)
+            peak = state.get("peak_rss_mb")
+            if isinstance(peak, (int, float)):
+                self.stats.server_peak_rss_mb = max(self.stats.server_peak_rss_mb or 0.0, peak)
         if merged is not None:
             self.stats.engine_profile = merged.as_dict()
 

@@ -337,15 +337,15 @@ class InferenceClient:
                 )
             await asyncio.sleep(poll_interval_s)
 
-    async def step_profiles(self) -> dict[str, dict[str, Any] | None]:
-        """Each server's measured step costs (``/server_info``), None where it keeps none
-        (an SGLang server)."""
+    async def server_states(self) -> dict[str, dict[str, Any]]:
+        """Each server's own state from ``/server_info`` (the first of its
+        ``internal_states``): Sluice's servers add their measured step costs
+        (``step_profile``) and peak memory (``peak_rss_mb``); an SGLang server has neither."""
         infos = await self._broadcast("GET", protocol.SERVER_INFO)
-        out: dict[str, dict[str, Any] | None] = {}
+        out: dict[str, dict[str, Any]] = {}
         for url, info in infos.items():
             states = info.get("internal_states") or [{}]
-            profile = states[0].get("step_profile") if isinstance(states[0], dict) else None
-            out[url] = profile if isinstance(profile, dict) else None
+            out[url] = states[0] if isinstance(states[0], dict) else {}
         return out
 
     async def model_info(self) -> dict[str, dict[str, Any]]:

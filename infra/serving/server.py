@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sluice.engines.inference.types import EngineShutdownError, PauseMode, WeightLoadError
+from sluice.infra.process_stats import peak_rss_mb
 from sluice.infra.serving import protocol
 from sluice.infra.serving.request_parsing import (
     BadRequestError,
@@ -267,6 +268,7 @@ def create_app(
                         "weight_version": protocol.version_label(engine.weight_version),
                         # Sluice's own: measured step costs for the capacity planner.
                         "step_profile": engine.profile.as_dict(),
+                        "peak_rss_mb": peak_rss_mb(),
                     }
                 ],
             }

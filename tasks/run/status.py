@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from sluice.infra.config import RunConfig
+from sluice.infra.process_stats import peak_rss_mb
 from sluice.tasks.run.paths import ROLES, RunPaths, read_json, write_json
 
 log = logging.getLogger("sluice")
@@ -32,6 +33,7 @@ class StatusReporter:
             self._last = now
             self.fields["updated_at"] = time.time()
             self.fields["uptime_s"] = time.time() - self.started_at
+            self.fields["peak_rss_mb"] = peak_rss_mb()
             try:
                 write_json(self.config, self.url, self.fields)
             except OSError as err:  # status is best effort; the data plane is not

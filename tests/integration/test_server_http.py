@@ -164,13 +164,15 @@ def test_pause_update_continue_switches_versions_mid_response(served: Served) ->
             await client.continue_()
             result = await task
             info = await client.model_info()
-            profiles = await client.step_profiles()
-            return result, paused, info, profiles
+            states = await client.server_states()
+            return result, paused, info, states
 
-    result, paused, info, profiles = _run(go())
+    result, paused, info, states = _run(go())
     assert paused == {served.url: 1}
-    # The server reports its measured step costs, the 300 decode steps included.
-    assert StepProfile.from_dict(profiles[served.url]).decode_steps >= 299
+    # The server reports its measured step costs, the 300 decode steps included, and
+    # its peak memory (at least the weights it holds).
+    assert StepProfile.from_dict(states[served.url]["step_profile"]).decode_steps >= 299
+    assert states[served.url]["peak_rss_mb"] > 1
     assert info[served.url]["weight_version"] == str(new_version)
     assert info[served.url]["model_path"] == str(new_dir)
     switch = result.token_versions.index(new_version)
