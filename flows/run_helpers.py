@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from sluice.flows.cluster import RayRoles
 from sluice.infra.config import RunConfig
 from sluice.infra.outages import outage_cause
 from sluice.infra.storage import exists
@@ -197,10 +198,17 @@ def run_roles(
     run_id: str,
     mlflow_run_id: str,
     log_dir: str,
+    runner: RayRoles | None = None,
 ) -> dict[str, Any]:
     """One Prefect task per role, each supervising its own OS process, restarted up to
-    `retries` times (an outage the roles wait out costs none)."""
+    `retries` times (an outage the roles wait out costs none).
+
+    With `runner` (`RayRoles`, `cluster.engine: ray`; flows/cluster.py) each task is
+    placed on a Ray node by its role's `cluster.<role>` placement and starts the role's
+    process there, from the config it is handed (the node may not see `config_path`)."""
     forget_stop(run_id)
+    if runner is not None:
+        return {role: runner.submit(role) for role in roles}
     return {
         role: run_role.with_options(name=task_names[role], retries=retries).submit(
             role, config_path, run_id, mlflow_run_id, log_dir
@@ -215,12 +223,14 @@ def watch_progress(
     futures: dict[str, Any],
     interval_s: float = 5.0,
     started: float | None = None,
+    placed: RayRoles | None = None,
 ) -> None:
     """Console line and Prefect progress artifact until every role has finished.
 
     Serves both flows: the synchronous loop writes the same `train` status document.
     `started` (time.monotonic() at the flow's start) is when `trainer.time_budget_s`
-    began to run out; when it has, the roles are told to stop.
+    began to run out; when it has, the roles are told to stop. With `placed` (roles on
+    Ray), a role whose node was lost is placed again, or the run stops (the trainer's).
     """
     paths = run_paths(config, run_id)
     total = config.trainer.total_steps
@@ -257,14 +267,16 @@ def watch_progress(
         return state
 
     try:
-        while not all(f.state.is_final() for f in futures.values()):
+        while not all(finished(f) for f in futures.values()):
             time.sleep(interval_s if budget is None else min(interval_s, 0.5))
             if budget is not None and time.monotonic() - started >= budget:
                 if best_effort(control.done_marker, None) is None:
                     best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
                 budget = None
             last_state = show(poller.latest(), last_state)
-            failed = [r for r, f in futures.items() if f.state.is_failed()]
+            if placed is not None:
+                replace_lost_roles(placed, futures, control)
+            failed = [r for r, f in futures.items() if ended_badly(f.state)]
             if failed and not stopping:  # one role failed for good: stop the others
                 stopping = True
                 stop_roles(run_id)
@@ -275,9 +287,43 @@ def watch_progress(
                 ).start()
     finally:
         poller.close()
-    if not any(f.state.is_failed() for f in futures.values()):
+    if not any(ended_badly(f.state) for f in futures.values()):
         # Finished (storage answers): read once more, so the last line shows the end.
         show(best_effort(partial(read_statuses, config, paths)) or poller.latest(), last_state)
+
+
+def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunControl) -> None:
+    """Place again each role whose Ray node was lost; when that cannot be (the
+    trainer's node, or too many losses), stop the other roles and raise the one line."""
+    for role, future in list(futures.items()):
+        if role not in placed.task_names or not finished(future):
+            continue
+        try:
+            replacement = placed.replace_lost(role, future)
+        except RunStopped as stopped:
+            stop_roles(placed.run_id)
+            best_effort(partial(control.mark_done, str(stopped).split(":")[0]))
+            deadline = time.monotonic() + 60
+            others = [f for r, f in futures.items() if r != role]
+            while time.monotonic() < deadline and not all(finished(f) for f in others):
+                time.sleep(0.5)
+            raise
+        if replacement is not None:
+            futures[role] = replacement
+
+
+def ended_badly(state: Any) -> bool:
+    """Failed (the role's process failed past its retries) or crashed (its task died
+    with the worker or node that ran it)."""
+    return bool(state.is_failed() or state.is_crashed())
+
+
+def finished(future: Any) -> bool:
+    """Whether a role's task has ended. A task on a Ray node that died ends without
+    telling the Prefect API (its run stays Running there); waiting on the future for
+    no time collects the crash Ray reports."""
+    future.wait(0)
+    return bool(future.state.is_final())
 
 
 class StatusPoller:

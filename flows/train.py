@@ -20,6 +20,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from sluice.flows.cluster import role_runner
 from sluice.flows.run_helpers import (
     ROLE_TASK_NAMES,
     claim_new_run,
@@ -117,7 +118,10 @@ def train(
 
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
         roles = [r for r in ROLES if r != "evaluate" or config.evaluation.during_run]
-        with planned_servers(config, run_id) as ports:  # servers.launch=docker: containers
+        with (
+            planned_servers(config, run_id) as ports,  # servers.launch=docker: containers
+            role_runner(config, ROLE_TASK_NAMES, run_id, mlflow_run_id) as placed,
+        ):
             futures = run_roles(
                 roles,
                 ROLE_TASK_NAMES,
@@ -126,11 +130,12 @@ def train(
                 run_id,
                 mlflow_run_id,
                 log_dir,
+                placed,  # cluster.engine=ray: each role on a Ray node
             )
             if ports:
                 futures["servers"] = serve_inference.submit(
                     config.model_dump(mode="json"), run_id, ports
                 )
-            watch_progress(config, run_id, futures, started=started)
-    role_results(futures)  # raises if a role failed after its retries
+            watch_progress(config, run_id, futures, started=started, placed=placed)
+            role_results(futures)  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow
 
+from sluice.flows.cluster import role_runner
 from sluice.flows.run_helpers import (
     ROLE_TASK_NAMES,
     claim_new_run,
@@ -55,9 +56,17 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
         roles = ["sync", "evaluate"] if config.evaluation.during_run else ["sync"]
         names = {**ROLE_TASK_NAMES, "sync": "train-synchronously"}
-        futures = run_roles(
-            roles, names, config.role_retries, str(config_path), run_id, mlflow_run_id, log_dir
-        )
-        watch_progress(config, run_id, futures, started=started)
-    role_results(futures)
+        with role_runner(config, names, run_id, mlflow_run_id) as placed:
+            futures = run_roles(
+                roles,
+                names,
+                config.role_retries,
+                str(config_path),
+                run_id,
+                mlflow_run_id,
+                log_dir,
+                placed,  # cluster.engine=ray: on a Ray node
+            )
+            watch_progress(config, run_id, futures, started=started, placed=placed)
+            role_results(futures)
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)

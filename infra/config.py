@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sluice.engines.inference.types import PauseMode
+from sluice.infra.cluster_config import ClusterConfig, cluster_requirements
 from sluice.infra.config_overrides import (
     ConfigError,
     apply_override,
@@ -334,6 +335,15 @@ class RunConfig(BaseModel):
     """Object storage for streams and checkpoints."""
     tracking: TrackingConfig = TrackingConfig()
     """MLflow tracking and registry."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Where the roles run: this machine (default) or a Ray cluster."""
+
+    @model_validator(mode="after")
+    def _cluster_reaches_services(self) -> RunConfig:
+        missing = cluster_requirements(self.cluster, self.storage.url, self.tracking.uri)
+        if missing:
+            raise ValueError(f"cluster.engine=ray at {self.cluster.address}: {missing[0]}")
+        return self
 
     @model_validator(mode="after")
     def _reasoning_gym_verifier(self) -> RunConfig:

@@ -119,8 +119,9 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
     key = ".".join(str(p) for p in first["loc"])
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown config key '{key}'{_closest(key, model)}"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if not key:  # a rule across sections: its message names the keys itself
+        return f"{source}: {first['msg'].removeprefix('Value error, ')}{more}"
     value = first.get("input")
     shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    where = f"'{key}'" if key else "config"
-    return f"{source}: invalid value for {where} = {shown}: {first['msg']}{more}"
+    return f"{source}: invalid value for '{key}' = {shown}: {first['msg']}{more}"

@@ -22,25 +22,17 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
 from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
 from sluice.engines.inference.profile import StepProfile
 from sluice.engines.rl.groups import group_index_of, group_key, reissue_plan, resume_gate
-from sluice.engines.rl.samples import group_rows, version_span
+from sluice.engines.rl.samples import group_rows
 from sluice.engines.rl.staleness import StalenessGate
 from sluice.engines.rl.trajectory import (
     GROUP_ID,
-    LOSS_MASK,
-    RESPONSE_TOKEN_IDS,
-    TOKEN_VERSIONS,
-    TOOL_CALLS,
-    TOOL_ERRORS,
-    TOOL_TIMEOUTS,
-    TURNS,
     TrajectoryRow,
 )
 from sluice.infra.checkpoints import CheckpointIncomplete
@@ -57,6 +49,7 @@ from sluice.infra.streams.schema import table_from_rows
 from sluice.tasks.process.inference_server import EmbeddedServer, launched_server_urls
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
+from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.run.paths import ROLLOUTS
 from sluice.tasks.run.versions import fetch_policy, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
@@ -70,79 +63,6 @@ PROFILE_INTERVAL_S = 10.0
 PROFILE_READ_TIMEOUT_S = 5.0
 """Longest a read of the step costs may take: it is bookkeeping, and a server that does
 not answer must not hold the role (least of all while it stops)."""
-
-
-@dataclass
-class RolloutStats:
-    started_at: float = field(default_factory=time.monotonic)
-    groups_written: int = 0
-    samples_written: int = 0
-    tokens_generated: int = 0
-    idle_s: float = 0.0
-    weight_updates: int = 0
-    update_time_s: float = 0.0
-    partial_samples: int = 0
-    max_version_span: int = 0
-    server_recoveries: int = 0
-    episode_turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_timeouts: int = 0
-    observation_tokens: int = 0
-    engine_profile: dict[str, Any] | None = None
-    """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
-    server_peak_rss_mb: float | None = None
-    """The largest peak resident memory any inference server reported, MiB."""
-
-    def record_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Count one group written to the stream (`rows`: its samples, `TrajectoryRow`s
-        or their columns)."""
-        self.groups_written += 1
-        self.samples_written += len(rows)
-        for r in rows:
-            mask = r.get(LOSS_MASK)
-            observed = len(mask) - sum(mask) if mask is not None else 0
-            self.tokens_generated += len(r[RESPONSE_TOKEN_IDS]) - observed
-            self.observation_tokens += observed
-            self.episode_turns += r.get(TURNS, 0)
-            self.tool_calls += r.get(TOOL_CALLS, 0)
-            self.tool_errors += r.get(TOOL_ERRORS, 0)
-            self.tool_timeouts += r.get(TOOL_TIMEOUTS, 0)
-            span = version_span(r[TOKEN_VERSIONS])
-            if span:  # a weight update landed while this response was being generated
-                self.partial_samples += 1
-                self.max_version_span = max(self.max_version_span, span)
-
-    def as_status(self) -> dict[str, Any]:
-        elapsed = max(1e-9, time.monotonic() - self.started_at)
-        return {
-            "groups_written": self.groups_written,
-            "samples_written": self.samples_written,
-            "tokens_generated": self.tokens_generated,
-            "tokens_per_s": self.tokens_generated / elapsed,
-            "idle_ratio": self.idle_s / elapsed,
-            "weight_updates": self.weight_updates,
-            "update_time_s": self.update_time_s,
-            "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
-            "max_version_span": self.max_version_span,
-            "server_recoveries": self.server_recoveries,
-            **(self.episode_status() if self.episode_turns else {}),
-            **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
-            **(
-                {"server_peak_rss_mb": self.server_peak_rss_mb}
-                if self.server_peak_rss_mb is not None
-                else {}
-            ),
-        }
-
-    def episode_status(self) -> dict[str, Any]:
-        return {
-            "turns_per_episode": self.episode_turns / max(1, self.samples_written),
-            "tool_calls": self.tool_calls,
-            "tool_errors": self.tool_errors,
-            "tool_timeouts": self.tool_timeouts,
-            "observation_tokens": self.observation_tokens,
-        }
 
 
 def committed_group_indices(reader: StreamReader) -> set[int]:
@@ -450,17 +370,20 @@ class RolloutRole(Role):
         except (InferenceServerError, ValueError, TimeoutError) as exc:
             log.debug("server states not read: %s", exc or type(exc).__name__)
             return
-        merged: StepProfile | None = None
-        for state in states.values():
-            data = state.get("step_profile")
-            if isinstance(data, dict):
-                profile = StepProfile.from_dict(data)
-                merged = profile if merged is None else merged.merged(profile)
-            peak = state.get("peak_rss_mb")
-            if isinstance(peak, (int, float)):
-                self.stats.server_peak_rss_mb = max(self.stats.server_peak_rss_mb or 0.0, peak)
-        if merged is not None:
-            self.stats.engine_profile = merged.as_dict()
+        profiles = [
+            StepProfile.from_dict(s["step_profile"])
+            for s in states.values()
+            if isinstance(s.get("step_profile"), dict)
+        ]
+        if profiles:
+            self.stats.engine_profile = reduce(StepProfile.merged, profiles).as_dict()
+        peaks = [
+            s["peak_rss_mb"]
+            for s in states.values()
+            if isinstance(s.get("peak_rss_mb"), float | int)
+        ]
+        if peaks:
+            self.stats.server_peak_rss_mb = max([self.stats.server_peak_rss_mb or 0.0, *peaks])
 
     async def recover_servers(
         self, client: InferenceClient, error: InferenceServerUnreachableError

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
 from sluice.infra.outages import EXIT_OUTAGE, probe_storage, probe_tracking
-from sluice.tasks.process.launcher import PYTHON, start_role
+from sluice.tasks.process.launcher import PYTHON, close_launcher, start_role
 from sluice.tasks.role import (
     CANNOT_START_MARK,
     DAMAGED_MARK,
@@ -297,3 +299,39 @@ def run_role(role: str, config_path: str, run_id: str, mlflow_run_id: str, log_d
     logger = get_run_logger()
     logger.info("starting %s (log: %s/%s.log)", role, log_dir, role)
     return supervise_role(role, config_path, run_id, mlflow_run_id, log_dir, log=logger)
+
+
+@task(
+    name="run-role-on-node",
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=may_retry,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def run_role_on_node(
+    role: str, config_json: dict[str, Any], run_id: str, mlflow_run_id: str
+) -> int:
+    """One long-lived role as a Prefect task on a Ray node (`cluster.engine: ray`).
+
+    The node may share no disk with the flow's machine, so the task is handed the
+    resolved config itself and writes it under the node's workdir, where the role's
+    log goes too. The role's process is forked from a launcher this worker starts;
+    closing it at the end lets a reused Ray worker start the next run's roles fresh,
+    and a worker that dies (its node lost) takes the launcher's roles with it.
+    """
+    logger = get_run_logger()
+    config = RunConfig.model_validate(config_json)
+    local = Path(config.workdir) / "runs" / run_id
+    config_path = local / "config.json"
+    local.mkdir(parents=True, exist_ok=True)
+    # Roles sharing a node (or a shared file system) write the same file: whole or not at all.
+    partial = config_path.with_name(f".config.{role}.{os.getpid()}.json")
+    partial.write_text(json.dumps(config_json, indent=2))
+    os.replace(partial, config_path)
+    log_dir = str(local / "logs")
+    logger.info("starting %s on %s (log: %s/%s.log)", role, socket.gethostname(), log_dir, role)
+    try:
+        return supervise_role(role, str(config_path), run_id, mlflow_run_id, log_dir, log=logger)
+    finally:
+        close_launcher()

@@ -217,7 +217,7 @@ def test_a_generated_group_becomes_one_row_per_response_keyed_by_its_issue_numbe
 
 
 def test_rollout_stats_count_responses_that_span_a_weight_update():
-    from sluice.tasks.rollout import RolloutStats
+    from sluice.tasks.rollout_stats import RolloutStats
 
     stats = RolloutStats()
     stats.record_group(

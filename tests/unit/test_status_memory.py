@@ -9,7 +9,7 @@ import sys
 # Run in a fresh process: the test runner's own peak may already be far above anything
 # this test allocates.
 SCRIPT = """
-import json, uuid
+import json, os, uuid
 from sluice.infra.config import RunConfig
 from sluice.tasks.run.paths import run_paths
 from sluice.tasks.run.status import StatusReporter, read_statuses
@@ -19,8 +19,10 @@ paths = run_paths(config, "run")
 reporter = StatusReporter(config, paths, "train")
 reporter.update(force=True)
 before = read_statuses(config, paths)["train"]["peak_rss_mb"]
-# 200 MiB touched, then freed before the next write: only a high-water mark sees it.
-block = bytearray(200 * 1024 * 1024)
+# Imports peak above what stays resident: touch enough to rise 200 MiB over that peak,
+# then free it before the next write (only a high-water mark still sees it).
+resident_mb = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+block = bytearray(int((before - resident_mb + 200) * 2**20))
 for i in range(0, len(block), 4096):
     block[i] = 1
 del block

@@ -1,0 +1,88 @@
+"""The rollout role's running counts, which its status document reports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.engines.rl.samples import version_span
+from sluice.engines.rl.trajectory import (
+    LOSS_MASK,
+    RESPONSE_TOKEN_IDS,
+    TOKEN_VERSIONS,
+    TOOL_CALLS,
+    TOOL_ERRORS,
+    TOOL_TIMEOUTS,
+    TURNS,
+)
+
+
+@dataclass
+class RolloutStats:
+    started_at: float = field(default_factory=time.monotonic)
+    groups_written: int = 0
+    samples_written: int = 0
+    tokens_generated: int = 0
+    idle_s: float = 0.0
+    weight_updates: int = 0
+    update_time_s: float = 0.0
+    partial_samples: int = 0
+    max_version_span: int = 0
+    server_recoveries: int = 0
+    episode_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    observation_tokens: int = 0
+    engine_profile: dict[str, Any] | None = None
+    """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
+    server_peak_rss_mb: float | None = None
+    """The largest peak resident memory an inference server reported, MiB (None: none did)."""
+
+    def record_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Count one group written to the stream (`rows`: its samples, `TrajectoryRow`s
+        or their columns)."""
+        self.groups_written += 1
+        self.samples_written += len(rows)
+        for r in rows:
+            mask = r.get(LOSS_MASK)
+            observed = len(mask) - sum(mask) if mask is not None else 0
+            self.tokens_generated += len(r[RESPONSE_TOKEN_IDS]) - observed
+            self.observation_tokens += observed
+            self.episode_turns += r.get(TURNS, 0)
+            self.tool_calls += r.get(TOOL_CALLS, 0)
+            self.tool_errors += r.get(TOOL_ERRORS, 0)
+            self.tool_timeouts += r.get(TOOL_TIMEOUTS, 0)
+            span = version_span(r[TOKEN_VERSIONS])
+            if span:  # a weight update landed while this response was being generated
+                self.partial_samples += 1
+                self.max_version_span = max(self.max_version_span, span)
+
+    def as_status(self) -> dict[str, Any]:
+        elapsed = max(1e-9, time.monotonic() - self.started_at)
+        return {
+            "groups_written": self.groups_written,
+            "samples_written": self.samples_written,
+            "tokens_generated": self.tokens_generated,
+            "tokens_per_s": self.tokens_generated / elapsed,
+            "idle_ratio": self.idle_s / elapsed,
+            "weight_updates": self.weight_updates,
+            "update_time_s": self.update_time_s,
+            "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
+            "max_version_span": self.max_version_span,
+            "server_recoveries": self.server_recoveries,
+            **(self.episode_status() if self.episode_turns else {}),
+            **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
+            "server_peak_rss_mb": self.server_peak_rss_mb,
+        }
+
+    def episode_status(self) -> dict[str, Any]:
+        return {
+            "turns_per_episode": self.episode_turns / max(1, self.samples_written),
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_timeouts": self.tool_timeouts,
+            "observation_tokens": self.observation_tokens,
+        }
