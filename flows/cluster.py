@@ -20,8 +20,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -190,15 +191,42 @@ def role_runner(
     else:
         probe_address(config.cluster.address)
     runner = RayTaskRunner(address=config.cluster.address, init_kwargs=init_kwargs)
-    try:
-        with runner:
-            nodes = [n for n in ray.nodes() if n.get("Alive")]
-            check_nodes_reach_api(api_url, [n["NodeManagerAddress"] for n in nodes])
-            yield RayRoles(runner, config, task_names, run_id, mlflow_run_id, log=_flow_logger())
-    except ConnectionError as err:
-        raise ClusterError(
-            f"cannot join the Ray cluster at {config.cluster.address}: {err}"
-        ) from None
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(runner)
+        except ConnectionError as err:
+            raise ClusterError(
+                f"cannot join the Ray cluster at {config.cluster.address}: {err}"
+            ) from None
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        check_nodes_reach_api(api_url, [n["NodeManagerAddress"] for n in nodes])
+        roles = RayRoles(runner, config, task_names, run_id, mlflow_run_id, log=_flow_logger())
+        roles.offered = [n.get("Resources", {}) for n in nodes]
+        yield roles
+
+
+def check_placement_fits(config: RunConfig, role: str, offered: list[dict[str, float]]) -> None:
+    """Refuse, in one line, a role no node of the cluster could ever run (Ray would
+    keep its task pending, and the run would wait for it forever)."""
+    wanted = {"CPU": config.cluster.placement(role).num_cpus}
+    wanted["GPU"] = config.cluster.placement(role).num_gpus
+    wanted.update(config.cluster.placement(role).resources)
+    wanted = {name: amount for name, amount in wanted.items() if amount > 0}
+    if any(all(node.get(k, 0) >= v for k, v in wanted.items()) for node in offered):
+        return
+    shown = "; ".join(
+        ", ".join(
+            f"{k} {v:g}"
+            for k, v in sorted(node.items())
+            if not k.startswith(("node:", "memory", "object_store"))
+        )
+        for node in offered
+    )
+    placement = "train" if role == "sync" else role
+    raise ClusterError(
+        f"no node of the Ray cluster offers what cluster.{placement} asks "
+        f"({', '.join(f'{k} {v:g}' for k, v in wanted.items())}); its nodes offer: {shown}"
+    )
 
 
 class TrainerNodeLost(RunStopped):
@@ -238,13 +266,24 @@ class RayRoles:
         self.shipped = node_config(config).model_dump(mode="json")
         self.replaced: dict[str, int] = {}
         """Per role: times it was placed again after its node was lost."""
+        self.submitted_at: dict[str, float] = {}
+        """Per role: when its newest task was submitted (time.monotonic())."""
+        self.offered: list[dict[str, float]] = []
+        """What each node of the cluster offered when the run joined it."""
         self.log = log
+
+    def place(self, roles: list[str]) -> dict[str, Any]:
+        """Submit each of `roles`, once every one of them fits some node of the cluster."""
+        for role in roles:
+            check_placement_fits(self.config, role, self.offered)
+        return {role: self.submit(role) for role in roles}
 
     def submit(self, role: str) -> Any:
         from prefect_ray.context import remote_options
 
         from sluice.tasks.process.supervisor import run_role_on_node
 
+        self.submitted_at[role] = time.monotonic()
         # Ray itself never re-runs a role task: its task run would be a stale one.
         with remote_options(**self.config.cluster.placement(role).ray_options(), max_retries=0):
             return self.runner.submit(
@@ -258,6 +297,20 @@ class RayRoles:
                     "mlflow_run_id": self.mlflow_run_id,
                 },
             )
+
+    def check_started(self, role: str, future: Any) -> None:
+        """Stop the run, in one line, when `role`'s task has waited longer than
+        `cluster.placement_timeout_s` for a node (its task run does not exist yet)."""
+        waited = time.monotonic() - self.submitted_at.get(role, time.monotonic())
+        if waited <= self.config.cluster.placement_timeout_s or not future.state.is_pending():
+            return
+        wanted = self.config.cluster.placement(role).ray_options()
+        raise RunStopped(
+            f"run {self.run_id} stopped: no node of the Ray cluster took the {role} role "
+            f"within {waited:.0f} s (it asks {wanted}; cluster.placement_timeout_s="
+            f"{self.config.cluster.placement_timeout_s:g}); add a node that offers it, then "
+            f"{how_to_continue(role, self.run_id)}"
+        )
 
     def replace_lost(self, role: str, future: Any) -> Any | None:
         """A new future for `role` when its task was lost with its worker or node

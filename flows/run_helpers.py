@@ -208,7 +208,7 @@ def run_roles(
     process there, from the config it is handed (the node may not see `config_path`)."""
     forget_stop(run_id)
     if runner is not None:
-        return {role: runner.submit(role) for role in roles}
+        return runner.place(roles)
     return {
         role: run_role.with_options(name=task_names[role], retries=retries).submit(
             role, config_path, run_id, mlflow_run_id, log_dir
@@ -296,9 +296,12 @@ def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunCo
     """Place again each role whose Ray node was lost; when that cannot be (the
     trainer's node, or too many losses), stop the other roles and raise the one line."""
     for role, future in list(futures.items()):
-        if role not in placed.task_names or not finished(future):
+        if role not in placed.task_names:
             continue
         try:
+            if not finished(future):
+                placed.check_started(role, future)
+                continue
             replacement = placed.replace_lost(role, future)
         except RunStopped as stopped:
             stop_roles(placed.run_id)

@@ -59,6 +59,8 @@ class ClusterConfig(Section):
     """Declare that a `file://` `storage.url` is the same shared file system (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage (`s3://`)."""
     node_workdir: str | None = None
     """Local directory on each node for the roles' caches (fetched weights) and logs. None = `workdir` resolved to an absolute path on the flow's machine, which every node must be able to create."""
+    placement_timeout_s: float = Field(600.0, gt=0)
+    """How long a role's task may wait for a node that offers its placement (at the start, or after its node was lost) before the run stops with one line. A placement no node of the cluster offers at all is refused at once."""
     env: dict[str, str] = {}
     """Environment variables for the role processes on the nodes (besides Sluice's own: the Prefect API, telemetry off), e.g. AWS credentials."""
     rollout: RolePlacement = RolePlacement()

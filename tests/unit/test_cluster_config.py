@@ -153,3 +153,29 @@ def test_a_head_address_nothing_answers_is_refused_within_the_deadline() -> None
         listening.listen()
         probe_address(f"ray://127.0.0.1:{listening.getsockname()[1]}")
     probe_address("auto")
+
+
+def test_a_placement_no_node_offers_is_refused_naming_what_the_nodes_offer() -> None:
+    from sluice.flows.cluster import check_placement_fits
+
+    offered = [
+        {"CPU": 2.0, "memory": 1e9, "node:127.0.0.1": 1.0, "head_node": 1.0},
+        {"CPU": 4.0, "GPU": 1.0, "train_node": 1.0},
+    ]
+    fits = load_config(None, ["cluster.engine=ray", "cluster.train.resources={train_node: 1}"])
+    check_placement_fits(fits, "train", offered)
+    check_placement_fits(fits, "sync", offered)  # the colocated baseline goes where train goes
+    check_placement_fits(load_config(None, ["cluster.train.num_gpus=1"]), "train", offered)
+    too_big = load_config(
+        None, ["cluster.engine=ray", "cluster.train.num_gpus=1", "cluster.train.num_cpus=8"]
+    )
+    with pytest.raises(ClusterError) as caught:
+        check_placement_fits(too_big, "train", offered)
+    assert str(caught.value) == (
+        "no node of the Ray cluster offers what cluster.train asks (CPU 8, GPU 1); its "
+        "nodes offer: CPU 2, head_node 1; CPU 4, GPU 1, train_node 1"
+    )
+    with pytest.raises(ClusterError, match=r"cluster.reward asks \(CPU 1, rollout_node 1\)"):
+        check_placement_fits(
+            load_config(None, ["cluster.reward.resources={rollout_node: 1}"]), "reward", offered
+        )

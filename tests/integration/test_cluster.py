@@ -1,0 +1,215 @@
+"""Sluice on a real Ray cluster of several nodes on loopback (`cluster.engine: ray`).
+
+The run goes as a user runs it: `sluice train` as a process with its own Prefect API,
+streams and checkpoints on moto's S3 server, MLflow behind `mlflow server`. Its roles
+are placed by the resources each node declares: rollout (with its inference server) on
+the head, reward and train on two worker nodes, which hold one `worker` slot each so
+the two cannot share one. Then nodes are lost, all their processes killed at once:
+
+- the reward role's node: the flow places the reward role again, on a node that joins
+  afterwards (as an autoscaler would bring one), and the run goes on;
+- the train role's node: the run stops with one line naming what was lost and the
+  resume command; `sluice train --resume` on the nodes left finishes it.
+
+The run's books (tasks/run/audit.py) must then show nothing lost, nothing trained
+twice and the staleness bound kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.ray_cluster import RAY_ENV, RayCluster
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    from tests.benchmarks.bench_load import S3_ENV, S3Server
+    from tests.soak.soak import MlflowServer
+
+    root = tmp_path_factory.mktemp("cluster")
+    saved = {name: os.environ.get(name) for name in S3_ENV}
+    os.environ.update(S3_ENV)
+    s3 = S3Server()
+    mlflow = None
+    try:
+        mlflow = MlflowServer(root)
+        yield root, s3, mlflow
+    finally:
+        if mlflow is not None:
+            mlflow.stop()
+        s3.close()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RayCluster]:
+    ray_cluster = RayCluster(tmp_path)
+    try:
+        ray_cluster.start_node("head", 2, {"head_node": 1})
+        ray_cluster.start_node("b", 2, {"b_node": 1, "worker": 1})
+        ray_cluster.start_node("c", 2, {"c_node": 1, "worker": 1})
+        yield ray_cluster
+    finally:
+        ray_cluster.stop()
+
+
+def cluster_overrides(root: Path, s3, mlflow, address: str) -> list[str]:  # noqa: ANN001
+    from tests.soak.soak import soak_overrides
+
+    base = [o for o in soak_overrides(root, s3, mlflow, STEPS) if not o.startswith("name=")]
+    return [
+        *base,
+        f"name=cl{os.getpid()}",
+        "role_retries=2",
+        "evaluation.during_run=false",
+        "cluster.engine=ray",
+        f"cluster.address={address}",
+        f"cluster.node_workdir={root / 'nodes'}",
+        "cluster.rollout.resources={head_node: 1}",
+        "cluster.reward.resources={worker: 1}",
+        "cluster.train.resources={worker: 1}",
+    ]
+
+
+class Train:
+    """`sluice train` as its own process group, its output collected as it comes."""
+
+    def __init__(self, root: Path, overrides: list[str], resume: str | None = None) -> None:
+        command = [sys.executable, "-m", "sluice.flows.cli", "train"]
+        command += [part for o in overrides for part in ("--set", o)]
+        command += ["--resume", resume] if resume else []
+        env = {**os.environ, **RAY_ENV, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90"}
+        self.process = subprocess.Popen(
+            command,
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        self.lines.extend(raw.decode(errors="replace") for raw in self.process.stdout)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def run_id(self) -> str | None:
+        found = re.search(r"(?:starting|resuming) run (\S+):", self.output)
+        return found.group(1) if found else None
+
+    def wait(self, timeout_s: float) -> int:
+        code = self.process.wait(timeout_s)
+        self.reader.join(30)
+        return code
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+def wait_until(predicate, timeout_s: float, what: str, train: Train) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if train.process.poll() is not None:
+            raise AssertionError(f"sluice train exited before {what}:\n{train.output[-4000:]}")
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}:\n{train.output[-4000:]}")
+
+
+def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_trainers(
+    services: tuple, cluster: RayCluster
+) -> None:
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.audit import audit_run
+    from sluice.tasks.run.paths import run_paths
+    from sluice.tasks.run.status import read_statuses
+
+    root, s3, mlflow = services
+    overrides = cluster_overrides(root, s3, mlflow, cluster.address)
+    config = load_config("default", overrides)
+    train = Train(root, overrides)
+    try:
+        wait_until(lambda: train.run_id() is not None, 180, "the run to start", train)
+        run_id = train.run_id()
+        assert run_id is not None
+        paths = run_paths(config, run_id)
+
+        def status(role: str) -> dict:
+            return read_statuses(config, paths).get(role, {})
+
+        def step() -> int:
+            return int(status("train").get("step") or 0)
+
+        wait_until(lambda: step() >= 2, 300, "two steps", train)
+        placed = {role: cluster.node_of(status(role)["pid"]) for role in ("rollout", "reward", "train")}
+        names = {role: node.name if node else None for role, node in placed.items()}
+        # Placed by the resources each node declares: rollout where head_node is, reward
+        # and train on the two worker nodes, one each.
+        assert names["rollout"] == "head", names
+        assert {names["reward"], names["train"]} == {"b", "c"}, names
+
+        lost_reward_pid = status("reward")["pid"]
+        placed["reward"].kill()
+        replacement = cluster.start_node("d", 2, {"d_node": 1, "worker": 1})
+        wait_until(
+            lambda: status("reward").get("pid") not in (None, lost_reward_pid)
+            and replacement.hosts(status("reward")["pid"]),
+            300,
+            "the reward role to run on the new node",
+            train,
+        )
+        reached = step()
+        wait_until(lambda: step() >= reached + 2, 300, "two more steps after the loss", train)
+        assert "reward lost its Ray node" in train.output
+
+        placed["train"].kill()
+        code = train.wait(300)
+        stopped = [line for line in train.output.splitlines() if "sluice: error:" in line]
+        assert code == 75, train.output[-4000:]
+        assert len(stopped) == 1, train.output[-4000:]
+        assert "the node running the train role was lost" in stopped[0]
+        assert f"sluice train --resume {run_id}" in stopped[0]
+    finally:
+        train.kill()
+
+    cluster.start_node("e", 2, {"e_node": 1, "worker": 1})
+    resumed = Train(root, overrides, resume=run_id)
+    try:
+        assert resumed.wait(600) == 0, resumed.output[-4000:]
+    finally:
+        resumed.kill()
+
+    audit = audit_run(config, run_id)
+    assert audit.problems() == [], audit.problems()
+    assert audit.versions[-1] == STEPS
+    assert audit.groups_lost == [] and audit.duplicated == 0
+    assert audit.max_staleness <= config.staleness.max_staleness
