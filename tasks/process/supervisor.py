@@ -286,14 +286,17 @@ def supervise_role(
         log.info("%s: the services answer again; starting it again", role)
 
 
-@task(
-    name="run-role",
-    retries=2,
-    retry_delay_seconds=2,
-    retry_condition_fn=may_retry,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+ROLE_TASK = {
+    "retries": 2,
+    "retry_delay_seconds": 2,
+    "retry_condition_fn": may_retry,
+    "cache_policy": NO_CACHE,
+    "persist_result": False,
+}
+"""Prefect task settings of a role's task, on this machine or on a Ray node."""
+
+
+@task(name="run-role", **ROLE_TASK)
 def run_role(role: str, config_path: str, run_id: str, mlflow_run_id: str, log_dir: str) -> int:
     """One long-lived role as a Prefect task; retried roles resume from ledgers and the registry."""
     logger = get_run_logger()
@@ -301,14 +304,7 @@ def run_role(role: str, config_path: str, run_id: str, mlflow_run_id: str, log_d
     return supervise_role(role, config_path, run_id, mlflow_run_id, log_dir, log=logger)
 
 
-@task(
-    name="run-role-on-node",
-    retries=2,
-    retry_delay_seconds=2,
-    retry_condition_fn=may_retry,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@task(name="run-role-on-node", **ROLE_TASK)
 def run_role_on_node(
     role: str, config_json: dict[str, Any], run_id: str, mlflow_run_id: str
 ) -> int:

@@ -75,8 +75,9 @@ def main() -> None:
         for engine in order:
             times = trial(base, engine, f"bench-{engine}-{round_}-{int(time.time())}", args.steps)
             last = max(times)
-            start, per_step = times[START_VERSION], (times[last] - times[START_VERSION]) / (
-                last - START_VERSION
+            start, per_step = (
+                times[START_VERSION],
+                (times[last] - times[START_VERSION]) / (last - START_VERSION),
             )
             startup[engine].append(start)
             pace[engine].append(per_step)

@@ -1,7 +1,8 @@
 """A real Ray cluster of several nodes on this machine, for the cluster tests and the
-cluster benchmark: `ray start --head` and `ray start --address ...`, each node a process
-group of its own (its raylet, agents and workers, and whatever those start), so killing
-a node's group is losing that node.
+cluster benchmark: `ray start --head` and `ray start --address ...`, each node a `ray
+start --block` process; the node is that process and everything it started (its raylet,
+agents and workers, and whatever those start), so killing all of them at once is
+losing that node.
 
 Every node listens on 127.0.0.1. Token authentication is off (the nodes, the drivers
 and the tests share one loopback), and health checks are quick, so a lost node is
@@ -46,22 +47,33 @@ class RayNode:
     process: subprocess.Popen[bytes]
     resources: dict[str, float]
 
-    @property
-    def group(self) -> int:
-        """The node's process group: everything running on it."""
-        return self.process.pid
+    def processes(self) -> set[int]:
+        """Every process running on the node: `ray start` and all it started, down to
+        the roles a Ray worker started (Ray puts its workers in sessions of their own,
+        so the process group is not enough)."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                # The command name is in parentheses and may hold spaces.
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        found, todo = set(), [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            if pid not in found:
+                found.add(pid)
+                todo.extend(children.get(pid, []))
+        return found
 
     def hosts(self, pid: int) -> bool:
         """Whether process `pid` runs on this node."""
-        try:
-            return os.getpgid(pid) == self.group
-        except ProcessLookupError:
-            return False
+        return pid in self.processes()
 
     def kill(self) -> None:
         """Lose the node: SIGKILL to all of it at once."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.group, signal.SIGKILL)
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(30)
 

@@ -18,6 +18,7 @@ twice and the staleness bound kept.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -25,12 +26,16 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.flows.conftest import tiny_run_overrides
+from tests.integration.conftest import S3Endpoint
 from tests.integration.ray_cluster import RAY_ENV, RayCluster
+from tests.soak.soak import MlflowServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -38,27 +43,12 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    from tests.benchmarks.bench_load import S3_ENV, S3Server
-    from tests.soak.soak import MlflowServer
-
-    root = tmp_path_factory.mktemp("cluster")
-    saved = {name: os.environ.get(name) for name in S3_ENV}
-    os.environ.update(S3_ENV)
-    s3 = S3Server()
-    mlflow = None
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
     try:
-        mlflow = MlflowServer(root)
-        yield root, s3, mlflow
+        yield server
     finally:
-        if mlflow is not None:
-            mlflow.stop()
-        s3.close()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        server.stop()
 
 
 @pytest.fixture
@@ -73,14 +63,19 @@ def cluster(tmp_path: Path) -> Iterator[RayCluster]:
         ray_cluster.stop()
 
 
-def cluster_overrides(root: Path, s3, mlflow, address: str) -> list[str]:  # noqa: ANN001
-    from tests.soak.soak import soak_overrides
-
-    base = [o for o in soak_overrides(root, s3, mlflow, STEPS) if not o.startswith("name=")]
+def cluster_overrides(root: Path, s3: S3Endpoint, mlflow: MlflowServer, address: str) -> list[str]:
+    """A tiny run on moto's S3 and the MLflow server, its roles placed on the nodes."""
+    placement = ("workdir=", "storage.", "tracking.")
+    tiny = tiny_run_overrides(root, **{"trainer.total_steps": STEPS, "role_retries": 2})
+    options = json.dumps({"client_kwargs": s3.storage_options()["client_kwargs"]})
     return [
-        *base,
+        *(o for o in tiny if not o.startswith(placement)),
         f"name=cl{os.getpid()}",
-        "role_retries=2",
+        f"workdir={root / 'work'}",
+        f"storage.url=s3://{s3.bucket}/cluster-{uuid.uuid4().hex[:8]}",
+        f"storage.options={options}",
+        f"tracking.uri={mlflow.url}",
+        "tracking.artifact_location=null",
         "evaluation.during_run=false",
         "cluster.engine=ray",
         f"cluster.address={address}",
@@ -146,15 +141,15 @@ def wait_until(predicate, timeout_s: float, what: str, train: Train) -> None:  #
 
 
 def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_trainers(
-    services: tuple, cluster: RayCluster
+    tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster
 ) -> None:
     from sluice.infra.config import load_config
     from sluice.tasks.run.audit import audit_run
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 
-    root, s3, mlflow = services
-    overrides = cluster_overrides(root, s3, mlflow, cluster.address)
+    root = tmp_path
+    overrides = cluster_overrides(root, moto_s3, mlflow_server, cluster.address)
     config = load_config("default", overrides)
     train = Train(root, overrides)
     try:
@@ -170,7 +165,9 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
             return int(status("train").get("step") or 0)
 
         wait_until(lambda: step() >= 2, 300, "two steps", train)
-        placed = {role: cluster.node_of(status(role)["pid"]) for role in ("rollout", "reward", "train")}
+        placed = {
+            role: cluster.node_of(status(role)["pid"]) for role in ("rollout", "reward", "train")
+        }
         names = {role: node.name if node else None for role, node in placed.items()}
         # Placed by the resources each node declares: rollout where head_node is, reward
         # and train on the two worker nodes, one each.
@@ -181,8 +178,10 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
         placed["reward"].kill()
         replacement = cluster.start_node("d", 2, {"d_node": 1, "worker": 1})
         wait_until(
-            lambda: status("reward").get("pid") not in (None, lost_reward_pid)
-            and replacement.hosts(status("reward")["pid"]),
+            lambda: (
+                status("reward").get("pid") not in (None, lost_reward_pid)
+                and replacement.hosts(status("reward")["pid"])
+            ),
             300,
             "the reward role to run on the new node",
             train,
