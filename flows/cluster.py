@@ -284,8 +284,12 @@ class RayRoles:
         from sluice.tasks.process.supervisor import run_role_on_node
 
         self.submitted_at[role] = time.monotonic()
+        options = self.config.cluster.placement(role).ray_options()
+        group = None
+        if role in ("train", "sync") and self.config.trainer.world_size > 1:
+            group, options["scheduling_strategy"] = self.reserve_ranks(role)
         # Ray itself never re-runs a role task: its task run would be a stale one.
-        with remote_options(**self.config.cluster.placement(role).ray_options(), max_retries=0):
+        with remote_options(**options, max_retries=0):
             return self.runner.submit(
                 run_role_on_node.with_options(
                     name=self.task_names[role], retries=self.config.role_retries
@@ -295,8 +299,38 @@ class RayRoles:
                     "config_json": self.shipped,
                     "run_id": self.run_id,
                     "mlflow_run_id": self.mlflow_run_id,
+                    "train_group": group,
                 },
             )
+
+    def reserve_ranks(self, role: str) -> tuple[str, Any]:
+        """A placement group of one `cluster.train` bundle per trainer rank, ready; its
+        name and the scheduling strategy that puts the role (rank 0) in bundle 0."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        placement = self.config.cluster.placement(role)
+        bundle = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
+        bundle = {name: amount for name, amount in bundle.items() if amount > 0} or {"CPU": 1}
+        world = self.config.trainer.world_size
+        name = f"sluice-{self.run_id}-ranks-{time.time_ns()}"
+        group = placement_group(
+            [dict(bundle) for _ in range(world)],
+            strategy=self.config.cluster.train_strategy,
+            name=name,
+        )
+        timeout = self.config.cluster.placement_timeout_s
+        ready, _ = ray.wait([group.ready()], timeout=timeout)
+        if not ready:
+            ray.util.remove_placement_group(group)
+            raise RunStopped(
+                f"run {self.run_id} stopped: the cluster did not offer {world} x {bundle} "
+                f"({self.config.cluster.train_strategy}) for the trainer's ranks within "
+                f"{timeout:g} s; add nodes, lower trainer parallelism or change "
+                f"cluster.train_strategy, then {how_to_continue(role, self.run_id)}"
+            )
+        return name, PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
 
     def check_started(self, role: str, future: Any) -> None:
         """Stop the run, in one line, when `role`'s task has waited longer than

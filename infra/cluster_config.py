@@ -41,10 +41,10 @@ class RolePlacement(Section):
         return value
 
     def ray_options(self) -> dict[str, object]:
-        """The `ray.remote` options of this placement."""
-        options: dict[str, object] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.resources:
-            options["resources"] = dict(self.resources)
+        """The `ray.remote` options of this placement (the fields are named as Ray's)."""
+        options: dict[str, object] = self.model_dump()
+        if not self.resources:
+            del options["resources"]
         return options
 
 
@@ -56,9 +56,11 @@ class ClusterConfig(Section):
     address: str | None = None
     """Ray cluster to join: `auto` (a cluster this machine is a node of), `HOST:6379` (its head's GCS), or `ray://HOST:10001` (Ray client). None = a one-node Ray instance started on this machine for the run (for trying the mode out; nothing spans machines)."""
     shared_filesystem: bool = False
-    """Declare that a `file://` `storage.url` is the same shared file system (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage (`s3://`)."""
+    """Declare that a `file://` `storage.url`, and `node_workdir`, are the same shared file system (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage (`s3://`)."""
     node_workdir: str | None = None
     """Local directory on each node for the roles' caches (fetched weights) and logs. None = `workdir` resolved to an absolute path on the flow's machine, which every node must be able to create."""
+    train_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How a split trainer's ranks (`trainer.world_size` > 1, one `cluster.train` bundle each) spread over nodes: Ray's placement-group strategy. `STRICT_SPREAD` puts every rank on a node of its own, `STRICT_PACK` all on one. Tensor or pipeline parallel ranks on several nodes need `cluster.shared_filesystem` (their optimizer shards go into rank 0's checkpoint directory); data-parallel ones do not."""
     placement_timeout_s: float = Field(600.0, gt=0)
     """How long a role's task may wait for a node that offers its placement (at the start, or after its node was lost) before the run stops with one line. A placement no node of the cluster offers at all is refused at once."""
     env: dict[str, str] = {}

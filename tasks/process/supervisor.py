@@ -33,6 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from sluice.infra.config import RunConfig
 from sluice.infra.outages import EXIT_OUTAGE, probe_storage, probe_tracking
 from sluice.tasks.process.launcher import PYTHON, close_launcher, start_role
+from sluice.tasks.process.ray_ranks import RAY_ADDRESS_ENV, TRAIN_GROUP_ENV
 from sluice.tasks.role import (
     CANNOT_START_MARK,
     DAMAGED_MARK,
@@ -306,7 +307,11 @@ def run_role(role: str, config_path: str, run_id: str, mlflow_run_id: str, log_d
 
 @task(name="run-role-on-node", **ROLE_TASK)
 def run_role_on_node(
-    role: str, config_json: dict[str, Any], run_id: str, mlflow_run_id: str
+    role: str,
+    config_json: dict[str, Any],
+    run_id: str,
+    mlflow_run_id: str,
+    train_group: str | None = None,
 ) -> int:
     """One long-lived role as a Prefect task on a Ray node (`cluster.engine: ray`).
 
@@ -314,9 +319,16 @@ def run_role_on_node(
     resolved config itself and writes it under the node's workdir, where the role's
     log goes too. The role's process is forked from a launcher this worker starts;
     closing it at the end lets a reused Ray worker start the next run's roles fresh,
-    and a worker that dies (its node lost) takes the launcher's roles with it.
+    and a worker that dies (its node lost) takes the launcher's roles with it. A split
+    trainer's role is told the cluster and the placement group reserved for its ranks
+    (`train_group`; tasks/process/ray_ranks.py).
     """
     logger = get_run_logger()
+    if train_group:
+        import ray
+
+        os.environ[RAY_ADDRESS_ENV] = ray.get_runtime_context().gcs_address
+        os.environ[TRAIN_GROUP_ENV] = train_group
     config = RunConfig.model_validate(config_json)
     local = Path(config.workdir) / "runs" / run_id
     config_path = local / "config.json"
@@ -331,3 +343,5 @@ def run_role_on_node(
         return supervise_role(role, str(config_path), run_id, mlflow_run_id, log_dir, log=logger)
     finally:
         close_launcher()
+        for name in (RAY_ADDRESS_ENV, TRAIN_GROUP_ENV):  # a reused worker starts clean
+            os.environ.pop(name, None)

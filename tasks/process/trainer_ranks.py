@@ -26,6 +26,7 @@ from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
 from sluice.infra.config import RunConfig
+from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RayRanks
 
 PR_SET_PDEATHSIG = 1
 
@@ -36,8 +37,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProcess]:
-    """Start ranks 1..N-1 and make this process rank 0 of a group of N (``trainer.world_size``)."""
+def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProcess] | RayRanks:
+    """Start ranks 1..N-1 and make this process rank 0 of a group of N (``trainer.world_size``):
+    child processes here, or, for a train role Ray placed, actors in the placement
+    group the flow reserved for them (tasks/process/ray_ranks.py)."""
+    if os.environ.get(TRAIN_GROUP_ENV):
+        from sluice.tasks.process.ray_ranks import start_ray_ranks
+
+        return start_ray_ranks(config, model_dir, torch.get_num_threads())
     world = config.trainer.world_size
     port = _free_port()
     # This process is the role and the group's rank 0; its children read the same.
@@ -71,8 +78,11 @@ def follow_main(config_json: str, model_dir: str, rank: int, threads: int) -> No
     follow(build_rank_trainer(config, Path(model_dir)))
 
 
-def join(ranks: list[BaseProcess], timeout_s: float = 60.0) -> None:
+def join(ranks: list[BaseProcess] | RayRanks, timeout_s: float = 60.0) -> None:
     """Wait for released ranks to exit (killed if they do not)."""
+    if isinstance(ranks, RayRanks):
+        ranks.join(timeout_s)
+        return
     for process in ranks:
         process.join(timeout_s)
         if process.is_alive():

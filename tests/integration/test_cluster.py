@@ -55,7 +55,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 def cluster(tmp_path: Path) -> Iterator[RayCluster]:
     ray_cluster = RayCluster(tmp_path)
     try:
-        ray_cluster.start_node("head", 2, {"head_node": 1})
+        ray_cluster.start_node("head", 2, {"head_node": 2})
         ray_cluster.start_node("b", 2, {"b_node": 1, "worker": 1})
         ray_cluster.start_node("c", 2, {"c_node": 1, "worker": 1})
         yield ray_cluster
@@ -63,10 +63,12 @@ def cluster(tmp_path: Path) -> Iterator[RayCluster]:
         ray_cluster.stop()
 
 
-def cluster_overrides(root: Path, s3: S3Endpoint, mlflow: MlflowServer, address: str) -> list[str]:
+def cluster_overrides(
+    root: Path, s3: S3Endpoint, mlflow: MlflowServer, address: str, **extra: object
+) -> list[str]:
     """A tiny run on moto's S3 and the MLflow server, its roles placed on the nodes."""
     placement = ("workdir=", "storage.", "tracking.")
-    tiny = tiny_run_overrides(root, **{"trainer.total_steps": STEPS, "role_retries": 2})
+    tiny = tiny_run_overrides(root, **{"trainer.total_steps": STEPS, "role_retries": 2, **extra})
     options = json.dumps({"client_kwargs": s3.storage_options()["client_kwargs"]})
     return [
         *(o for o in tiny if not o.startswith(placement)),
@@ -212,3 +214,66 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
     assert audit.versions[-1] == STEPS
     assert audit.groups_lost == [] and audit.duplicated == 0
     assert audit.max_staleness <= config.staleness.max_staleness
+
+
+def rank_actors(node) -> list[int]:  # noqa: ANN001 - a RayNode
+    """Pids of the trainer's following ranks (Ray actors) running on `node`."""
+    found = []
+    for pid in node.processes():
+        with contextlib.suppress(OSError):
+            if b"RankActor" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
+    tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster
+) -> None:
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.audit import audit_run
+    from sluice.tasks.run.paths import run_paths
+    from sluice.tasks.run.status import read_statuses
+
+    steps = 4
+    overrides = [
+        *cluster_overrides(
+            tmp_path,
+            moto_s3,
+            mlflow_server,
+            cluster.address,
+            **{
+                "trainer.total_steps": steps,
+                "trainer.backend": "megatron",
+                "trainer.data_parallel": 2,
+            },
+        ),
+        "cluster.reward.resources={head_node: 1}",
+        "cluster.train_strategy=STRICT_SPREAD",
+    ]
+    config = load_config("default", overrides)
+    train = Train(tmp_path, overrides)
+    try:
+        wait_until(lambda: train.run_id() is not None, 180, "the run to start", train)
+        run_id = train.run_id()
+        assert run_id is not None
+        paths = run_paths(config, run_id)
+
+        def trained() -> int:
+            return int(read_statuses(config, paths).get("train", {}).get("step") or 0)
+
+        wait_until(lambda: trained() >= 1, 300, "a step of the split trainer", train)
+        statuses = read_statuses(config, paths)
+        nodes = {r: cluster.node_of(statuses[r]["pid"]) for r in ("rollout", "reward", "train")}
+        assert nodes["rollout"].name == nodes["reward"].name == "head"
+        rank0 = nodes["train"]
+        rank1 = next(n for n in cluster.nodes if n.name in ("b", "c") and n is not rank0)
+        # Rank 1 is an actor on the other worker node, none on rank 0's.
+        assert rank_actors(rank1) and not rank_actors(rank0), (rank0.name, rank1.name)
+        assert train.wait(600) == 0, train.output[-4000:]
+    finally:
+        train.kill()
+    audit = audit_run(config, run_id)
+    assert audit.problems() == [], audit.problems()
+    assert audit.versions[-1] == steps
+    # The ranks went with the run.
+    assert not any(rank_actors(node) for node in cluster.nodes)

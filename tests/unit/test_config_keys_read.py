@@ -4,11 +4,13 @@ A static walk: for each leaf of the `RunConfig` schema, the code outside
 `infra/config.py` must read it, as `.section.key`, as an alias of its section
 (`t = config.trainer` ... `t.key` in the same module), or by handing the whole section
 to a function (`**config.trainer.loss.model_dump()`, which fails on a key the
-function does not take).
+function does not take), which a section type may do itself for all its instances
+(`RolePlacement.ray_options` hands `self.model_dump()` to `ray.remote`).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -32,8 +34,26 @@ def leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
-def is_read(key: str, modules: list[str]) -> bool:
+def section_type(key: str, root: type[BaseModel]) -> type[BaseModel]:
+    """The model class of the section of `root` that holds `key`'s leaf."""
+    model = root
+    for name in key.split(".")[:-1]:
+        annotation = model.model_fields[name].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation
+    return model
+
+
+def hands_itself_whole(model: type[BaseModel]) -> bool:
+    """Whether the section type's own code passes all of its fields on at once."""
+    source = inspect.getsource(model)
+    return "self.model_dump()" in source
+
+
+def is_read(key: str, modules: list[str], root: type[BaseModel] = RunConfig) -> bool:
     *sections, leaf = key.split(".")
+    if sections and hands_itself_whole(section_type(key, root)):
+        return True
     if not sections:  # top level: config.seed, cfg.device, self.config.workdir
         return any(re.search(rf"\b(config|cfg)\.{leaf}\b", m) for m in modules)
     parent = sections[-1]
@@ -72,7 +92,20 @@ def test_the_check_finds_an_unread_key():
         section: Section = Section()
 
     modules = ["def f(config):\n    return config.section.used\n"]
-    assert [k for k in leaf_keys(Config) if not is_read(k, modules)] == ["section.forgotten"]
+    unread = [k for k in leaf_keys(Config) if not is_read(k, modules, Config)]
+    assert unread == ["section.forgotten"]
+
+    class Whole(BaseModel):
+        a: int = 1
+        b: int = 2
+
+        def options(self) -> dict:
+            return self.model_dump()
+
+    class Handing(BaseModel):
+        section: Whole = Whole()
+
+    assert [k for k in leaf_keys(Handing) if not is_read(k, [], Handing)] == []
 
 
 def test_renamed_and_removed_keys_are_not_in_the_schema():
