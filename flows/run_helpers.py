@@ -42,13 +42,15 @@ ROLE_TASK_NAMES = {
 
 
 @contextmanager
-def role_launcher() -> Iterator[None]:
+def role_launcher(config: RunConfig | None = None) -> Iterator[None]:
     """The role launcher of one flow run: started now, so the roles' imports overlap the
     run's set-up, and closed when the roles have ended or the flow fails before them.
     A launcher left running would start the next run's roles with its own imports and
     environment (PYTHONPATH included), and that run's clock would not carry its start-up.
+    Roles placed by Ray start from launchers on their nodes: none is warmed here.
     """
-    warm_launcher()
+    if config is None or config.cluster.engine == "local":
+        warm_launcher()
     try:
         yield
     finally:

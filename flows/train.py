@@ -82,8 +82,8 @@ def train(
     were in flight.
     """
     started = time.monotonic()
-    with role_launcher():  # the roles' imports, once, while this flow sets the run up
-        config = config or load_config("default")
+    config = config or load_config("default")
+    with role_launcher(config):  # the roles' imports, once, while this flow sets the run up
         logger = get_run_logger()
         if resume and not run_id:
             raise ResumeError("resume needs the run id of an earlier run")

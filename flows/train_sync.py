@@ -34,8 +34,8 @@ from sluice.tasks.run.report import publish_summary
 def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
     started = time.monotonic()
-    with role_launcher():  # the roles' imports, once, while this flow sets the run up
-        config = config or load_config("default")
+    config = config or load_config("default")
+    with role_launcher(config):  # the roles' imports, once, while this flow sets the run up
         if config.servers.launch != "embedded":
             raise ValueError(
                 "train_sync generates inside its training process; servers.launch="

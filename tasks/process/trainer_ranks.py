@@ -1,5 +1,5 @@
-"""How a training process builds its trainer, and the ranks the train role starts on its
-machine when the Megatron backend is split over several processes.
+"""The ranks the train role starts on its machine when the Megatron backend is split over
+several processes (each builds its trainer with tasks/process/rank_trainer.py).
 
 The role process is rank 0 (``sluice.engines.megatron.lockstep.LockstepTrainer`` leads). Ranks
 1..N-1 are fresh interpreters (spawned: the role process has threads and torch state
@@ -21,11 +21,8 @@ from pathlib import Path
 
 import torch
 
-from sluice.engines.policy.model import resolve_device
-from sluice.engines.rl.loss import make_policy_loss
-from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
 from sluice.infra.config import RunConfig
+from sluice.tasks.process.rank_trainer import build_rank_trainer
 from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RayRanks
 
 PR_SET_PDEATHSIG = 1
@@ -87,46 +84,3 @@ def join(ranks: list[BaseProcess] | RayRanks, timeout_s: float = 60.0) -> None:
         process.join(timeout_s)
         if process.is_alive():
             process.kill()
-
-
-def trainer_settings(config: RunConfig) -> TrainerSettings:
-    t = config.trainer
-    return TrainerSettings(
-        lr=t.lr,
-        adam_betas=t.adam_betas,
-        adam_eps=t.adam_eps,
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-        temperature=config.rollout.temperature,
-        ppo_minibatches=t.ppo_minibatches,
-        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-        min_micro_batches=t.min_micro_batches,
-        seed=config.seed,
-    )
-
-
-def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
-    """This process's trainer (one rank's, when the trainer is split over processes)."""
-    t = config.trainer
-    correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
-    device = resolve_device(config.device)
-    args = (
-        model_dir,
-        trainer_settings(config),
-        make_policy_loss(**t.loss.model_dump()),
-        correction,
-    )
-    if t.backend == "megatron":
-        from sluice.engines.megatron.trainer import MegatronPolicyTrainer
-
-        return MegatronPolicyTrainer(
-            *args,
-            device=device,
-            decoupled=t.loss.decoupled,
-            tensor_parallel=t.tensor_parallel,
-            pipeline_parallel=t.pipeline_parallel,
-            data_parallel=t.data_parallel,
-            distributed_optimizer=t.distributed_optimizer,
-            dtype=getattr(torch, t.dtype),
-        )
-    return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled)

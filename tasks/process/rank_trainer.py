@@ -1,0 +1,58 @@
+"""How a training process builds its trainer: one rank's, whether the trainer is split
+over processes or not (the rank's place in the group comes from torch.distributed's
+environment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.rollout_correction import make_rollout_correction
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
+from sluice.infra.config import RunConfig
+
+
+def trainer_settings(config: RunConfig) -> TrainerSettings:
+    t = config.trainer
+    return TrainerSettings(
+        lr=t.lr,
+        adam_betas=t.adam_betas,
+        adam_eps=t.adam_eps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        temperature=config.rollout.temperature,
+        ppo_minibatches=t.ppo_minibatches,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        min_micro_batches=t.min_micro_batches,
+        seed=config.seed,
+    )
+
+
+def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
+    """This process's trainer (one rank's, when the trainer is split over processes)."""
+    t = config.trainer
+    correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
+    device = resolve_device(config.device)
+    args = (
+        model_dir,
+        trainer_settings(config),
+        make_policy_loss(**t.loss.model_dump()),
+        correction,
+    )
+    if t.backend == "megatron":
+        from sluice.engines.megatron.trainer import MegatronPolicyTrainer
+
+        return MegatronPolicyTrainer(
+            *args,
+            device=device,
+            decoupled=t.loss.decoupled,
+            tensor_parallel=t.tensor_parallel,
+            pipeline_parallel=t.pipeline_parallel,
+            data_parallel=t.data_parallel,
+            distributed_optimizer=t.distributed_optimizer,
+            dtype=getattr(torch, t.dtype),
+        )
+    return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled)
