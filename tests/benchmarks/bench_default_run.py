@@ -64,6 +64,21 @@ def curves_of(workdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {key: points for key, points in curves.items() if points}
 
 
+def absolute_stores(workdir: Path) -> list[str]:
+    """Settings that point a run's saved config at its stores by absolute paths.
+
+    The saved config's relative `sqlite:///.sluice/mlflow.db` would do after a chdir,
+    but MLflow caches its store by URI within a process: the second seed's scoring
+    would read the first seed's (deleted) database and find no versions."""
+    root = workdir / ".sluice"
+    return [
+        f"workdir={root}",
+        f"storage.url=file://{root}/runs",
+        f"tracking.uri=sqlite:///{root}/mlflow.db",
+        f"tracking.artifact_location={root}/mlartifacts",
+    ]
+
+
 def score_after(
     workdir: Path, started_at: float, eval_overrides: list[str], within_s: float
 ) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
@@ -75,32 +90,32 @@ def score_after(
     from sluice.tasks.evaluate import evaluate_checkpoint
     from sluice.tasks.run.paths import run_registry
 
-    here = Path.cwd()
-    os.chdir(workdir)  # the run's storage and tracking URLs are relative to it
-    try:
-        # Every seed's versions are scored on the same prompts with the same sampling
-        # seeds, so two versions differ by their weights, not their luck.
-        run_id, config = resolve_run(load_config(None, []), None, ["seed=0", *eval_overrides])
-        versions = [v for v in run_registry(config, run_id).versions() if not v.deleted]
-        curves: dict[str, list[tuple[int, float]]] = {}
-        lines = []
-        for version in sorted(versions, key=lambda v: v.policy_version):
-            metrics = evaluate_checkpoint(
-                config, run_id, version.policy_version, version.checkpoint_uri
-            )
-            since_s = version.created_at_ms / 1000 - started_at
-            if since_s <= within_s:
-                for key, value in metrics.items():
-                    curves.setdefault(key, []).append((version.policy_version, value))
-            lines.append(
-                f"v{version.policy_version:<4d} {since_s / 60:5.1f} min  reward "
-                f"{metrics['eval/reward']:.3f}  greedy {metrics.get('eval/greedy_accuracy', float('nan')):.3f}"
-                f"  length {metrics['eval/response_length_mean']:5.1f}"
-                + ("" if since_s <= within_s else "  (after the window: not in the table)")
-            )
-        return curves, lines
-    finally:
-        os.chdir(here)
+    # Every seed's versions are scored on the same prompts with the same sampling
+    # seeds, so two versions differ by their weights, not their luck.
+    stores = absolute_stores(workdir)
+    run_id, config = resolve_run(
+        load_config(None, stores), None, [*stores, "seed=0", *eval_overrides]
+    )
+    versions = [v for v in run_registry(config, run_id).versions() if not v.deleted]
+    if not versions:
+        raise SystemExit(f"no committed versions found for run {run_id} in {workdir}")
+    curves: dict[str, list[tuple[int, float]]] = {}
+    lines = []
+    for version in sorted(versions, key=lambda v: v.policy_version):
+        metrics = evaluate_checkpoint(
+            config, run_id, version.policy_version, version.checkpoint_uri
+        )
+        since_s = version.created_at_ms / 1000 - started_at
+        if since_s <= within_s:
+            for key, value in metrics.items():
+                curves.setdefault(key, []).append((version.policy_version, value))
+        lines.append(
+            f"v{version.policy_version:<4d} {since_s / 60:5.1f} min  reward "
+            f"{metrics['eval/reward']:.3f}  greedy {metrics.get('eval/greedy_accuracy', float('nan')):.3f}"
+            f"  length {metrics['eval/response_length_mean']:5.1f}"
+            + ("" if since_s <= within_s else "  (after the window: not in the table)")
+        )
+    return curves, lines
 
 
 def role_figures(workdir: Path) -> list[str]:
@@ -110,13 +125,9 @@ def role_figures(workdir: Path) -> list[str]:
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 
-    here = Path.cwd()
-    os.chdir(workdir)
-    try:
-        run_id, config = resolve_run(load_config(None, []), None, [])
-        statuses = read_statuses(config, run_paths(config, run_id))
-    finally:
-        os.chdir(here)
+    stores = absolute_stores(workdir)
+    run_id, config = resolve_run(load_config(None, stores), None, stores)
+    statuses = read_statuses(config, run_paths(config, run_id))
     memory = {role: s.get("peak_rss_mb") for role, s in statuses.items()}
     rollout, train = statuses.get("rollout", {}), statuses.get("train", {})
     if rollout.get("server_peak_rss_mb") is not None:
@@ -187,6 +198,13 @@ def main() -> None:
         help="a scoring setting for --score-after (key=value)",
     )
     parser.add_argument(
+        "--score-workdir",
+        type=Path,
+        default=None,
+        help="with --score-after: score the finished run in this directory instead of "
+        "training (its clock starts at the birth time of its train.log)",
+    )
+    parser.add_argument(
         "--target", type=float, default=0.25, help="Δ held-out reward the target asks"
     )
     parser.add_argument(
@@ -198,6 +216,23 @@ def main() -> None:
         f"{platform.python_version()}; sluice train {args.config or ''} --set seed=S "
         f"{' '.join(args.overrides)}"
     )
+    if args.score_workdir is not None:
+        log = args.score_workdir / "train.log"
+        started_at = (
+            os.stat(log).st_birthtime
+            if hasattr(os.stat_result, "st_birthtime")
+            else float(
+                subprocess.run(
+                    ["stat", "-c", "%W", str(log)], capture_output=True, text=True, check=True
+                ).stdout
+            )
+        )
+        for line in role_figures(args.score_workdir):
+            print(line, flush=True)
+        _, lines = score_after(args.score_workdir, started_at, args.eval_overrides, args.within)
+        for line in lines:
+            print(line, flush=True)
+        return
     rows = []
     for seed in args.seeds:
         wall, curves = run_seed(
