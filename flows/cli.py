@@ -243,6 +243,14 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
             check_model_dir(config.model.path, config.model.chat_template)
         except ModelDirError as err:
             raise ConfigError(str(err)) from None
+    if config.cluster.engine == "ray" and config.cluster.address and args.command == "train":
+        # Before anything is created: ray.init itself waits minutes on a dead address.
+        from sluice.flows.cluster import ClusterError, probe_address
+
+        try:
+            probe_address(config.cluster.address)
+        except ClusterError as err:
+            raise ConfigError(str(err)) from None
     return args, config
 
 

@@ -92,3 +92,23 @@ def test_unknown_bench_variant_fails_in_the_parser_before_anything_runs():
         [sys.executable, "-m", "sluice.flows.cli", "bench", "nope"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_a_ray_head_nothing_answers_at_is_refused_with_one_line_before_anything_is_created(
+    tmp_path, capsys
+):
+    import socket
+
+    with socket.socket() as sock:  # free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = main(
+        ["train"]
+        + ["--set", "cluster.engine=ray", "--set", f"cluster.address=127.0.0.1:{port}"]
+        + ["--set", "storage.url=s3://bucket/runs", "--set", "tracking.uri=http://mlflow:5000"]
+        + ["--set", f"workdir={tmp_path / 'work'}"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and f"cannot join the Ray cluster at 127.0.0.1:{port}" in err[0]
+    assert list(tmp_path.iterdir()) == []
