@@ -65,6 +65,10 @@ class RayNode:
                 todo.extend(children.get(pid, []))
         return found
 
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
     def hosts(self, pid: int) -> bool:
         """Whether process `pid` runs on this node."""
         return pid in self.processes()
