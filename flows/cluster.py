@@ -190,7 +190,9 @@ def role_runner(
         )
     else:
         probe_address(config.cluster.address)
-    runner = RayTaskRunner(address=config.cluster.address, init_kwargs=init_kwargs)
+    # "local" starts a new instance: ray.init() with no address would join whatever
+    # cluster RAY_ADDRESS or /tmp/ray/ray_current_cluster names (a stale one included).
+    runner = RayTaskRunner(address=config.cluster.address or "local", init_kwargs=init_kwargs)
     with ExitStack() as stack:
         try:
             stack.enter_context(runner)

@@ -284,3 +284,30 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
     assert audit.versions[-1] == steps
     # The ranks went with the run.
     assert not any(rank_actors(node) for node in cluster.nodes)
+
+
+def test_a_one_node_instance_is_started_for_the_run_not_joined_from_a_running_cluster(
+    tmp_path: Path, cluster: RayCluster
+) -> None:
+    """`cluster.address: null` starts a Ray instance of the run's own, even while
+    another cluster runs on this machine (ray.init() with no address would join it,
+    through /tmp/ray/ray_current_cluster)."""
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.paths import run_paths
+    from sluice.tasks.run.status import read_statuses
+
+    overrides = [*tiny_run_overrides(tmp_path), "cluster.engine=ray", "evaluation.during_run=false"]
+    train = Train(tmp_path, overrides)
+    try:
+        assert train.wait(600) == 0, train.output[-4000:]
+    finally:
+        train.kill()
+    run_id = train.run_id()
+    assert run_id is not None
+    config = load_config("default", overrides)
+    statuses = read_statuses(config, run_paths(config, run_id))
+    assert statuses["train"]["step"] == config.trainer.total_steps
+    # Ray says which it did: started an instance, or connected to the running cluster.
+    assert {"rollout", "reward", "train"} <= set(statuses)
+    assert "Started a local Ray instance" in train.output
+    assert "Connecting to existing Ray cluster" not in train.output
