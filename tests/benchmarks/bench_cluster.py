@@ -50,6 +50,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    for name, value in (
+        ("DO_NOT_TRACK", "true"),
+        ("MLFLOW_DISABLE_TELEMETRY", "true"),
+        ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+    ):
+        os.environ.setdefault(name, value)
     from prefect import flow
 
     from sluice.infra.config import load_config
