@@ -334,11 +334,11 @@ class RayRoles:
             )
         return name, PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
 
-    def check_started(self, role: str, future: Any) -> None:
+    def check_started(self, role: str, state: Any) -> None:
         """Stop the run, in one line, when `role`'s task has waited longer than
         `cluster.placement_timeout_s` for a node (its task run does not exist yet)."""
         waited = time.monotonic() - self.submitted_at.get(role, time.monotonic())
-        if waited <= self.config.cluster.placement_timeout_s or not future.state.is_pending():
+        if waited <= self.config.cluster.placement_timeout_s or not state.is_pending():
             return
         wanted = self.config.cluster.placement(role).ray_options()
         raise RunStopped(
@@ -348,11 +348,10 @@ class RayRoles:
             f"{how_to_continue(role, self.run_id)}"
         )
 
-    def replace_lost(self, role: str, future: Any) -> Any | None:
+    def replace_lost(self, role: str, future: Any, state: Any) -> Any | None:
         """A new future for `role` when its task was lost with its worker or node
         (None: it ended on its own, for better or worse). Raises `TrainerNodeLost`
         for the train role, `RunStopped` once a role was lost too often."""
-        state = future.state
         if not state.is_crashed():
             return None
         mark_crashed(future.task_run_id, state.message or "its Ray worker or node was lost")

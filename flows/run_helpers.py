@@ -300,11 +300,13 @@ def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunCo
     for role, future in list(futures.items()):
         if role not in placed.task_names:
             continue
+        future.wait(0)  # collects a crash Ray reports (see `finished`)
+        state = future.state  # one read of the API per role and tick
         try:
-            if not finished(future):
-                placed.check_started(role, future)
+            if not state.is_final():
+                placed.check_started(role, state)
                 continue
-            replacement = placed.replace_lost(role, future)
+            replacement = placed.replace_lost(role, future, state)
         except RunStopped as stopped:
             stop_roles(placed.run_id)
             best_effort(partial(control.mark_done, str(stopped).split(":")[0]))

@@ -118,6 +118,13 @@ class Train:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def started(self, timeout_s: float = 180) -> str:
+        """The run's id, once `sluice train` has printed it."""
+        wait_until(lambda: self.run_id() is not None, timeout_s, "the run to start", self)
+        run_id = self.run_id()
+        assert run_id is not None
+        return run_id
+
     def run_id(self) -> str | None:
         found = re.search(r"(?:starting|resuming) run (\S+):", self.output)
         return found.group(1) if found else None
@@ -157,9 +164,7 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
     config = load_config("default", overrides)
     train = Train(root, overrides)
     try:
-        wait_until(lambda: train.run_id() is not None, 180, "the run to start", train)
-        run_id = train.run_id()
-        assert run_id is not None
+        run_id = train.started()
         paths = run_paths(config, run_id)
 
         def status(role: str) -> dict:
@@ -258,9 +263,7 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
     config = load_config("default", overrides)
     train = Train(tmp_path, overrides)
     try:
-        wait_until(lambda: train.run_id() is not None, 180, "the run to start", train)
-        run_id = train.run_id()
-        assert run_id is not None
+        run_id = train.started()
         paths = run_paths(config, run_id)
 
         def trained() -> int:
