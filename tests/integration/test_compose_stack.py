@@ -10,9 +10,11 @@ MinIO. The compose file itself runs unchanged; the run is the compose file's own
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -57,9 +59,41 @@ def stack(sluice_image):
     try:
         up = compose("up", "-d", "--no-build", "prefect-server", "mlflow", "create-bucket")
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        # The run below goes in with --no-deps, so nothing else waits for the servers'
+        # health checks (compose.yaml's `sluice` service does, through depends_on):
+        # a run started before MLflow answered failed with "unreachable: timed out".
+        wait_healthy(compose, ("prefect-server", "mlflow"), deadline_s=300)
         yield compose
     finally:  # also after `up` failed or timed out half-way
         compose("down", "-v", "--remove-orphans", timeout=900)
+
+
+def wait_healthy(compose, services: tuple[str, ...], *, deadline_s: float) -> None:
+    """Until each service's container reports its health check healthy; fails naming
+    the services that are not, with their last health-check output, at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    states: dict[str, str] = {}
+    while True:
+        for service in services:
+            ids = compose("ps", "-q", service, timeout=120).stdout.split()
+            if not ids:
+                states[service] = "no container"
+                continue
+            inspect = subprocess.run(
+                ["docker", "inspect", "-f", "{{json .State.Health}}", ids[0]],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            health = json.loads(inspect.stdout or "null") or {}
+            states[service] = health.get("Status", "no health check")
+            if states[service] != "healthy" and health.get("Log"):
+                states[service] += f" ({health['Log'][-1].get('Output', '').strip()[-300:]})"
+        if all(state == "healthy" for state in states.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the stack is not healthy after {deadline_s:.0f} s: {states}")
+        time.sleep(2)
 
 
 def test_sluice_trains_through_the_stack_prefect_mlflow_and_s3(stack) -> None:
