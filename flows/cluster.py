@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 
 from sluice.infra.cluster_config import url_scheme
 from sluice.infra.config import RunConfig
+from sluice.tasks.process.ray_servers import server_placement
 from sluice.tasks.process.supervisor import RunStopped, how_to_continue
 
 NAMESPACE = "sluice"
@@ -185,6 +186,8 @@ def role_runner(
         wanted = sum(
             config.cluster.placement(r).num_cpus for r in ("rollout", "reward", "train", "evaluate")
         )
+        if config.servers.launch == "ray":
+            wanted += config.servers.count * config.cluster.servers.num_cpus
         init_kwargs.update(
             num_cpus=max(os.cpu_count() or 1, int(wanted + 0.999)), include_dashboard=False
         )
@@ -210,9 +213,8 @@ def role_runner(
 def check_placement_fits(config: RunConfig, role: str, offered: list[dict[str, float]]) -> None:
     """Refuse, in one line, a role no node of the cluster could ever run (Ray would
     keep its task pending, and the run would wait for it forever)."""
-    wanted = {"CPU": config.cluster.placement(role).num_cpus}
-    wanted["GPU"] = config.cluster.placement(role).num_gpus
-    wanted.update(config.cluster.placement(role).resources)
+    placement = server_placement(config) if role == "servers" else config.cluster.placement(role)
+    wanted = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
     wanted = {name: amount for name, amount in wanted.items() if amount > 0}
     if any(all(node.get(k, 0) >= v for k, v in wanted.items()) for node in offered):
         return
@@ -224,9 +226,9 @@ def check_placement_fits(config: RunConfig, role: str, offered: list[dict[str, f
         )
         for node in offered
     )
-    placement = "train" if role == "sync" else role
+    section = "train" if role == "sync" else role
     raise ClusterError(
-        f"no node of the Ray cluster offers what cluster.{placement} asks "
+        f"no node of the Ray cluster offers what cluster.{section} asks "
         f"({', '.join(f'{k} {v:g}' for k, v in wanted.items())}); its nodes offer: {shown}"
     )
 

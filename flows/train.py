@@ -20,7 +20,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from sluice.flows.cluster import role_runner
+from sluice.flows.cluster import check_placement_fits, role_runner
 from sluice.flows.run_helpers import (
     ROLE_TASK_NAMES,
     claim_new_run,
@@ -122,6 +122,8 @@ def train(
             planned_servers(config, run_id) as ports,  # servers.launch=docker: containers
             role_runner(config, ROLE_TASK_NAMES, run_id, mlflow_run_id) as placed,
         ):
+            if placed is not None and config.servers.launch == "ray":
+                check_placement_fits(config, "servers", placed.offered)
             futures = run_roles(
                 roles,
                 ROLE_TASK_NAMES,
@@ -136,6 +138,10 @@ def train(
                 futures["servers"] = serve_inference.submit(
                     config.model_dump(mode="json"), run_id, ports
                 )
+            elif placed is not None and config.servers.launch == "ray":
+                # Actors started from this process (a driver of the cluster), with the
+                # config the nodes read.
+                futures["servers"] = serve_inference.submit(placed.shipped, run_id, [])
             watch_progress(config, run_id, futures, started=started, placed=placed)
             role_results(futures)  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

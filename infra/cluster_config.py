@@ -73,9 +73,11 @@ class ClusterConfig(Section):
     """Where the train role runs (rank 0 of a split trainer)."""
     evaluate: RolePlacement = RolePlacement()
     """Where the evaluate role runs."""
+    servers: RolePlacement = RolePlacement()
+    """Where each inference server runs (`servers.launch: ray`): every server is one Ray actor asking for this much (its GPUs: `num_gpus`, or `servers.gpus_per_server` when that is 0)."""
 
     def placement(self, role: str) -> RolePlacement:
-        """The placement of `role` (rollout, reward, train or evaluate; the colocated
+        """The placement of `role` (rollout, reward, train, evaluate or servers; the colocated
         `sync` baseline trains, so it goes where `train` goes)."""
         found = getattr(self, "train" if role == "sync" else role, None)
         if not isinstance(found, RolePlacement):

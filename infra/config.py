@@ -170,29 +170,31 @@ class EpisodeConfig(_Section):
 
 
 class ServersConfig(_Section):
-    """Inference servers started as containers for a run (`launch: docker`)."""
+    """Inference servers the run starts itself (`launch: docker` or `ray`)."""
 
-    launch: Literal["embedded", "docker"] = "embedded"
-    """`embedded`: the rollout role serves from a child process of its own, or talks to `rollout.server_urls` when they are given. `docker`: the run starts `count` server containers on host networking (a Docker engine on the flow's machine), waits on their health, hands their URLs to the rollout role, restarts one that dies and removes them all when the run ends or fails."""
+    launch: Literal["embedded", "docker", "ray"] = "embedded"
+    """`embedded`: the rollout role serves from a child process of its own, or talks to `rollout.server_urls` when they are given. `docker`: the run starts `count` server containers on host networking (a Docker engine on the flow's machine), waits on their health, hands their URLs to the rollout role, restarts one that dies and removes them all when the run ends or fails. `ray` (needs `cluster.engine: ray`): `count` servers as Ray actors, each on a node that offers `cluster.servers`; each fetches the weights it serves onto its own node, and one that dies (or loses its node) is started again wherever the cluster has room."""
     count: int = Field(1, ge=1, le=64)
-    """Server containers; the rollout role spreads groups over them, least-loaded first."""
+    """Servers; the rollout role spreads groups over them, least-loaded first."""
     engine: Literal["sluice", "sglang"] = "sluice"
     """`sluice`: Sluice's own server (`python -m sluice.infra.serving.server`, CPU or CUDA) from `image`. `sglang`: SGLang's `launch_server` from an SGLang image, with `gpus_per_server` GPUs each (its tensor-parallel size)."""
     image: str | None = None
-    """Image of the server containers; None = `sluice:local` for the sluice engine (`bash infra/docker/image.sh` builds it). The sglang engine needs one named (e.g. SGLang's release image for your CUDA)."""
+    """Image of the server containers (`launch: docker`; Ray actors run in the nodes' own Python environment); None = `sluice:local` for the sluice engine (`bash infra/docker/image.sh` builds it). The sglang engine needs one named (e.g. SGLang's release image for your CUDA)."""
     gpus_per_server: int = Field(0, ge=0, le=64)
-    """GPUs requested for each container (server i gets GPUs i*n .. i*n+n-1); 0 = CPU only (sluice engine)."""
+    """GPUs of each server (a container gets GPUs i*n .. i*n+n-1; a Ray actor asks its node for n GPUs, unless `cluster.servers.num_gpus` says otherwise); 0 = CPU only (sluice engine)."""
     extra_args: list[str] = []
     """More flags for each server's command line (e.g. `--mem-fraction-static 0.7` for SGLang)."""
     start_timeout_s: float = Field(600.0, gt=0)
-    """How long a server may take to answer /health after its container starts."""
+    """How long a server may take to answer /health after its container or actor starts."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Times one server is restarted after it died before the run fails."""
 
     @model_validator(mode="after")
     def _engine_settings(self) -> ServersConfig:
-        if self.engine == "sglang" and self.image is None:
-            raise ValueError("servers.engine=sglang needs servers.image (an SGLang image)")
+        if self.engine == "sglang" and self.image is None and self.launch != "ray":
+            raise ValueError(
+                "servers.engine=sglang in containers needs servers.image (an SGLang image)"
+            )
         if self.engine == "sglang" and self.gpus_per_server < 1:
             raise ValueError("servers.engine=sglang needs servers.gpus_per_server >= 1")
         return self
@@ -362,11 +364,17 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _launched_servers(self) -> RunConfig:
-        if self.servers.launch != "docker":
+        launch = self.servers.launch
+        if launch == "embedded":
             return self
+        if launch == "ray" and self.cluster.engine != "ray":
+            raise ValueError(
+                "servers.launch=ray places the servers on the run's Ray cluster; "
+                "set cluster.engine=ray (and cluster.address) or use servers.launch=docker"
+            )
         if self.rollout.server_urls:
             raise ValueError(
-                "servers.launch=docker starts the run's own servers; "
+                f"servers.launch={launch} starts the run's own servers; "
                 "unset rollout.server_urls or set servers.launch=embedded"
             )
         if self.rollout.weight_noise_std:

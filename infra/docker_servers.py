@@ -78,6 +78,8 @@ class ServerSpec:
     num_threads: int | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    """The address the server binds (0.0.0.0 where other machines must reach it)."""
 
     @property
     def url(self) -> str:
@@ -89,7 +91,7 @@ class ServerSpec:
             argv = [
                 "python3", "-m", "sglang.launch_server",
                 "--model-path", self.model_dir,
-                "--host", "127.0.0.1",
+                "--host", self.host,
                 "--port", str(self.port),
                 "--tp-size", str(max(1, len(self.gpus))),
                 "--random-seed", str(self.seed),
@@ -100,7 +102,7 @@ class ServerSpec:
             argv = [
                 "python", "-m", "sluice.infra.serving.server",
                 "--model", self.model_dir,
-                "--host", "127.0.0.1",
+                "--host", self.host,
                 "--port", str(self.port),
                 "--weight-version", str(self.weight_version),
                 "--max-batch-size", str(self.max_batch_size),

@@ -47,6 +47,7 @@ from sluice.infra.serving.client import (
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.tasks.process.inference_server import EmbeddedServer, launched_server_urls
+from sluice.tasks.process.ray_servers import RayServerLost, ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.rollout_stats import RolloutStats
@@ -92,6 +93,7 @@ class RolloutRole(Role):
         server: EmbeddedServer | None = None,
     ):
         self.server = server
+        self.actors: ServerActors | None = None  # servers.launch=ray: the server actors
         # Set once the servers are known: whether a server that stops answering is waited
         # for (servers the role does not own) and for how long.
         self.recoverable = False
@@ -146,7 +148,7 @@ class RolloutRole(Role):
             return
         # Fetch before pausing: generation keeps running while the bytes move.
         try:
-            local = await asyncio.to_thread(self.fetch, latest)
+            staged = await self.stage(latest)
         except CheckpointIncomplete:
             if not await asyncio.to_thread(superseded, self.registry, latest):
                 raise
@@ -155,11 +157,11 @@ class RolloutRole(Role):
         if self.config.rollout.interruptible:
             await client.pause(self.config.rollout.pause_mode)
             try:
-                await client.update_weights_from_disk(str(local), latest.policy_version)
+                await self.load(client, staged, latest)
             finally:
                 await client.continue_()
         else:  # wait-for-drain baseline: the server finishes in-flight requests first
-            await client.update_weights_from_disk(str(local), latest.policy_version)
+            await self.load(client, staged, latest)
         self.stats.update_time_s += time.monotonic() - started
         self.stats.weight_updates += 1
         log.info(
@@ -168,6 +170,35 @@ class RolloutRole(Role):
             time.monotonic() - started,
         )
         self.current = latest
+
+    async def stage(self, version: CommittedVersion) -> dict[str | None, str]:
+        """`version`'s weights where the servers read them: per server URL, a path on
+        that server's node (Ray actors), or one local path for every server (None)."""
+        if self.actors is not None:
+            actors = self.actors
+            try:
+                return dict(await asyncio.to_thread(actors.prefetch, version))
+            except RayServerLost as exc:
+                raise InferenceServerUnreachableError(exc.url, str(exc)) from exc
+        return {None: str(await asyncio.to_thread(self.fetch, version))}
+
+    async def load(
+        self,
+        client: InferenceClient,
+        staged: dict[str | None, str],
+        version: CommittedVersion,
+        urls: list[str] | None = None,
+    ) -> None:
+        """Every server of `urls` (all) loads `version` from where `stage` put it."""
+        if None in staged:
+            await client.update_weights_from_disk(staged[None], version.policy_version, urls=urls)
+            return
+        await asyncio.gather(
+            *(
+                client.update_weights_from_disk(staged[url], version.policy_version, urls=[url])
+                for url in (urls if urls is not None else client.base_urls)
+            )
+        )
 
     # ------------------------------------------------------------ groups
 
@@ -259,7 +290,15 @@ class RolloutRole(Role):
             log.info("early server holds version %d; restarting", early.weight_version)
             self.stop_server()
         launched = cfg.servers.launch != "embedded"
-        urls = launched_server_urls(cfg, self.run_id) if launched else list(cfg.rollout.server_urls)
+        if cfg.servers.launch == "ray":
+            self.actors = ServerActors(cfg, self.run_id)
+            urls = await asyncio.to_thread(
+                self.actors.wait, cfg.servers.start_timeout_s, self.control.should_stop
+            )
+        elif launched:
+            urls = launched_server_urls(cfg, self.run_id)
+        else:
+            urls = list(cfg.rollout.server_urls)
         external = bool(urls)
         if urls and cfg.rollout.weight_noise_std:
             # An external server loads clean weights; running on would measure no
@@ -281,7 +320,7 @@ class RolloutRole(Role):
         try:
             await client.wait_until_healthy(timeout_s=self.health_timeout_s)
             if external:  # external servers start from whatever they hold
-                await client.update_weights_from_disk(str(local), self.current.policy_version)
+                await self.load(client, await self.stage(self.current), self.current)
             self.recoverable = external
             await self._loop(client)
         finally:
@@ -401,6 +440,8 @@ class RolloutRole(Role):
         )
         deadline = time.monotonic() + self.health_timeout_s
         while not all((await client.health()).values()):
+            if self.actors is not None:  # a server started again answers elsewhere
+                client.set_urls(await asyncio.to_thread(self.actors.read))
             if self.control.should_stop():
                 return  # the run ended (its servers go with it): nothing to recover
             if time.monotonic() > deadline:
@@ -411,10 +452,7 @@ class RolloutRole(Role):
         info = await client.model_info()
         stale = [url for url, answer in info.items() if answer.get("weight_version") != served]
         if stale and self.current is not None:
-            local = await asyncio.to_thread(self.fetch, self.current)
-            await client.update_weights_from_disk(
-                str(local), self.current.policy_version, urls=stale
-            )
+            await self.load(client, await self.stage(self.current), self.current, urls=stale)
         log.info(
             "servers answer again; %d reloaded policy version %s",
             len(stale), self.current.policy_version if self.current else "-",

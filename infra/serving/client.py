@@ -115,10 +115,20 @@ class InferenceClient:
         await self._http.aclose()
         await self._control.aclose()
 
+    def set_urls(self, base_urls: Sequence[str]) -> None:
+        """Serve from `base_urls` from now on (a restarted server may answer elsewhere).
+        Requests in flight to a server no longer listed finish or fail as they would."""
+        urls = [u.rstrip("/") for u in base_urls]
+        if not urls:
+            raise ValueError("InferenceClient needs at least one base URL")
+        self.base_urls = urls
+        for url in urls:
+            self._in_flight.setdefault(url, 0)
+
     # ------------------------------------------------------------ transport
 
     def _pick_server(self) -> str:
-        fewest = min(self._in_flight.values())
+        fewest = min(self._in_flight[u] for u in self.base_urls)
         candidates = [u for u in self.base_urls if self._in_flight[u] == fewest]
         return candidates[next(self._cursor) % len(candidates)]
 
@@ -162,7 +172,7 @@ class InferenceClient:
         urls: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         targets = self.base_urls if urls is None else [u.rstrip("/") for u in urls]
-        unknown = [u for u in targets if u not in self._in_flight]
+        unknown = [u for u in targets if u not in self.base_urls]
         if unknown:
             raise ValueError(f"not servers of this client: {', '.join(unknown)}")
         results = await asyncio.gather(

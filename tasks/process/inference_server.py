@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
+from sluice.infra.docker_servers import SLUICE_IMAGE, ServerSpec
 from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh
 from sluice.tasks.run.paths import START_FILE, read_json, run_paths, write_json
 from sluice.tasks.run.threads import role_threads
@@ -21,13 +22,44 @@ log = logging.getLogger("sluice.rollout")
 
 """Control-dir document the flow writes once the run's starting version is committed."""
 SERVERS_FILE = "servers.json"
-"""Control-dir document naming the servers the run launched (`servers.launch: docker`)."""
+"""Control-dir document naming the servers the run launched (`servers.launch: docker` or
+`ray`): their URLs, and for Ray the actors' names."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def server_spec(
+    config: RunConfig,
+    port: int,
+    model_dir: Path,
+    weight_version: int,
+    gpus: tuple[int, ...],
+    mounts: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
+) -> ServerSpec:
+    """One server's command and resources, from the run's config."""
+    launch = config.servers
+    return ServerSpec(
+        engine=launch.engine,
+        image=launch.image or SLUICE_IMAGE,
+        model_dir=str(model_dir.resolve()),
+        port=port,
+        weight_version=weight_version,
+        mounts=mounts,
+        gpus=gpus,
+        seed=config.seed,
+        dtype=config.rollout.dtype,
+        device="cuda" if gpus else "cpu",
+        max_batch_size=config.rollout.max_batch_size,
+        max_seq_len=config.rollout.max_seq_len,
+        num_threads=None if gpus else role_threads(config, "rollout"),
+        extra_args=tuple(launch.extra_args),
+        host=host,
+    )
 
 
 class EmbeddedServer:
@@ -86,9 +118,12 @@ def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_
     )
 
 
-def write_launched_servers(config: RunConfig, run_id: str, urls: list[str]) -> None:
-    """Tell the rollout role where the run's launched servers will answer."""
-    write_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}", {"urls": urls})
+def write_launched_servers(config: RunConfig, run_id: str, urls: list[str], **more: Any) -> None:
+    """Tell the rollout role where the run's launched servers answer (`more`: what else
+    it needs of them, such as the names of their Ray actors)."""
+    write_json(
+        config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}", {"urls": urls, **more}
+    )
 
 
 def launched_server_urls(config: RunConfig, run_id: str) -> list[str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
+from sluice.tasks.process.inference_server import free_port
 
 RAY_ADDRESS_ENV = "SLUICE_RAY_ADDRESS"
 """The cluster's GCS address, set for a train role placed by Ray."""
@@ -85,10 +86,18 @@ class RayRanks:
                 ray.kill(actor)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+def node_address() -> str:
+    """The address this process's Ray node registered (`ray start --node-ip-address`):
+    the one the other nodes reach it by. `ray.util.get_node_ip_address()` in a worker
+    guesses from the machine's outward route instead, another address on a machine
+    with several."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here and node.get("NodeManagerAddress"):
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())
 
 
 def start_ray_ranks(config: RunConfig, model_dir: Path, threads: int) -> RayRanks:
@@ -99,7 +108,7 @@ def start_ray_ranks(config: RunConfig, model_dir: Path, threads: int) -> RayRank
     if not ray.is_initialized():
         ray.init(address=os.environ[RAY_ADDRESS_ENV], namespace=NAMESPACE, log_to_driver=False)
     group = ray.util.get_placement_group(os.environ[TRAIN_GROUP_ENV])
-    master, port = ray.util.get_node_ip_address(), _free_port()
+    master, port = node_address(), free_port("")
     world = config.trainer.world_size
     os.environ.update(
         {"MASTER_ADDR": master, "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": "0"}

@@ -1,4 +1,5 @@
-"""Inference servers the run launches as containers (`servers.launch: docker`).
+"""Inference servers the run launches: containers (`servers.launch: docker`) or Ray
+actors (`servers.launch: ray`, tasks/process/ray_servers.py, `run_ray_servers` here).
 
 The flow picks the servers' ports and writes their URLs for the rollout role
 (`plan_servers`), then runs `serve_inference` beside the roles: a long-lived Prefect
@@ -20,16 +21,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
-from sluice.infra.docker_servers import (
-    SLUICE_IMAGE,
-    ServerContainers,
-    ServerSpec,
-    remove_run_servers,
+from sluice.infra.docker_servers import ServerContainers, ServerSpec, remove_run_servers
+from sluice.tasks.process.inference_server import (
+    free_port,
+    server_spec,
+    write_launched_servers,
 )
-from sluice.tasks.process.inference_server import free_port, write_launched_servers
+from sluice.tasks.process.ray_servers import RayServers
 from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import run_paths, run_registry
-from sluice.tasks.run.threads import role_threads
 from sluice.tasks.run.versions import fetch_policy
 
 log = logging.getLogger(__name__)
@@ -55,25 +55,11 @@ def server_mounts(config: RunConfig) -> tuple[str, ...]:
 def server_specs(
     config: RunConfig, ports: list[int], model_dir: Path, weight_version: int
 ) -> list[ServerSpec]:
-    launch = config.servers
-    per = launch.gpus_per_server
+    per = config.servers.gpus_per_server
     mounts = server_mounts(config)
     return [
-        ServerSpec(
-            engine=launch.engine,
-            image=launch.image or SLUICE_IMAGE,
-            model_dir=str(model_dir.resolve()),
-            port=port,
-            weight_version=weight_version,
-            mounts=mounts,
-            gpus=tuple(range(i * per, (i + 1) * per)),
-            seed=config.seed,
-            dtype=config.rollout.dtype,
-            device="cuda" if per else "cpu",
-            max_batch_size=config.rollout.max_batch_size,
-            max_seq_len=config.rollout.max_seq_len,
-            num_threads=None if per else role_threads(config, "rollout"),
-            extra_args=tuple(launch.extra_args),
+        server_spec(
+            config, port, model_dir, weight_version, tuple(range(i * per, (i + 1) * per)), mounts
         )
         for i, port in enumerate(ports)
     ]
@@ -84,6 +70,10 @@ def planned_servers(config: RunConfig, run_id: str) -> Iterator[list[int]]:
     """Ports of the servers this run launches (none for `servers.launch: embedded`),
     announced to the rollout role; on the way out, whatever containers of the run are
     left are removed, even when the flow fails before `serve_inference` could."""
+    if config.servers.launch == "ray":
+        # The actors' URLs are known once they run; until then the rollout role waits
+        # (and never reads a resumed run's old servers).
+        write_launched_servers(config, run_id, [])
     if config.servers.launch != "docker":
         yield []
         return
@@ -132,7 +122,45 @@ def run_servers(
     return {"servers": len(ports), "restarts": sum(servers.restarts)}
 
 
+def run_ray_servers(
+    config: RunConfig, run_id: str, control: RunControl | None = None
+) -> dict[str, Any]:
+    """Start the server actors, start again the ones that die, kill them at the end.
+    Runs where the flow runs (a driver of the run's Ray cluster); `config` is the one
+    the nodes read."""
+    logger = get_run_logger()
+    registry = run_registry(config, run_id)
+    start = registry.latest()
+    if start is None:
+        raise RuntimeError(f"run {run_id} has no committed policy version to serve")
+
+    def newest() -> Any:
+        return registry.latest() or start
+
+    servers = RayServers(config, run_id)
+    control = control or RunControl(config, run_paths(config, run_id))
+    try:
+        waited = servers.start(start)
+        logger.info(
+            "%d %s server actor(s) answering after %.1f s: %s",
+            config.servers.count, config.servers.engine, waited, ", ".join(servers.urls),
+        )  # fmt: skip
+        while not control.should_stop(check_marker_every_s=CHECK_INTERVAL_S):
+            for index in servers.restart_dead(newest):
+                logger.warning(
+                    "inference server %d died; started again at %s", index, servers.urls[index]
+                )
+            time.sleep(CHECK_INTERVAL_S)
+    finally:
+        servers.stop()
+    return {"servers": config.servers.count, "restarts": sum(servers.restarts)}
+
+
 @task(name="serve-inference", cache_policy=NO_CACHE, persist_result=False)
 def serve_inference(config_json: dict[str, Any], run_id: str, ports: list[int]) -> dict[str, Any]:
-    """The run's inference server containers, for as long as the run lasts."""
-    return run_servers(RunConfig.model_validate(config_json), run_id, ports)
+    """The run's launched inference servers (containers or Ray actors), for as long as
+    the run lasts."""
+    config = RunConfig.model_validate(config_json)
+    if config.servers.launch == "ray":
+        return run_ray_servers(config, run_id)
+    return run_servers(config, run_id, ports)

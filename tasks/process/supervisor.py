@@ -321,15 +321,17 @@ def run_role_on_node(
     closing it at the end lets a reused Ray worker start the next run's roles fresh,
     and a worker that dies (its node lost) takes the launcher's roles with it. A split
     trainer's role is told the cluster and the placement group reserved for its ranks
-    (`train_group`; tasks/process/ray_ranks.py).
+    (`train_group`; tasks/process/ray_ranks.py), a rollout role the cluster (its
+    inference servers are actors, tasks/process/ray_servers.py).
     """
     logger = get_run_logger()
-    if train_group:
-        import ray
+    config = RunConfig.model_validate(config_json)
+    if train_group or (role == "rollout" and config.servers.launch == "ray"):
+        import ray  # the role's process joins the cluster: rank actors, server actors
 
         os.environ[RAY_ADDRESS_ENV] = ray.get_runtime_context().gcs_address
+    if train_group:
         os.environ[TRAIN_GROUP_ENV] = train_group
-    config = RunConfig.model_validate(config_json)
     local = Path(config.workdir) / "runs" / run_id
     config_path = local / "config.json"
     local.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,15 @@
 
 The run goes as a user runs it: `sluice train` as a process with its own Prefect API,
 streams and checkpoints on moto's S3 server, MLflow behind `mlflow server`. Its roles
-are placed by the resources each node declares: rollout (with its inference server) on
-the head, reward and train on two worker nodes, which hold one `worker` slot each so
-the two cannot share one. Then nodes are lost, all their processes killed at once:
+are placed by the resources each node declares: rollout on the head, the reward role
+and the inference server (a Ray actor, `servers.launch: ray`) on one worker node
+(`reward_node`), train on the other (`train_node`). Then nodes are lost, all their
+processes killed at once:
 
-- the reward role's node: the flow places the reward role again, on a node that joins
-  afterwards (as an autoscaler would bring one), and the run goes on;
+- the reward role's node, with the server: the flow places the reward role and the
+  server again, on a node of the same kind that joins afterwards (as an autoscaler
+  would bring one), the rollout role brings the new server to the version it serves,
+  and the run goes on;
 - the train role's node: the run stops with one line naming what was lost and the
   resume command; `sluice train --resume` on the nodes left finishes it.
 
@@ -40,6 +43,9 @@ from tests.soak.soak import MlflowServer
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
 STEPS = 10
+REWARD_NODE = {"worker": 1, "reward_node": 2}
+"""A node of the kind the reward role and the inference server go to."""
+TRAIN_NODE = {"worker": 1, "train_node": 1}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     the next test finds a head and two live worker nodes too."""
     ray_cluster = RayCluster(tmp_path_factory.mktemp("ray"))
     try:
-        ray_cluster.start_node("head", 2, {"head_node": 2})
-        ray_cluster.start_node("b", 2, {"b_node": 1, "worker": 1})
-        ray_cluster.start_node("c", 2, {"c_node": 1, "worker": 1})
+        ray_cluster.start_node("head", 3, {"head_node": 3})
+        ray_cluster.start_node("b", 2, REWARD_NODE | {"b_node": 1})
+        ray_cluster.start_node("c", 2, TRAIN_NODE | {"c_node": 1})
         yield ray_cluster
     finally:
         ray_cluster.stop()
@@ -85,8 +91,10 @@ def cluster_overrides(
         f"cluster.address={address}",
         f"cluster.node_workdir={root / 'nodes'}",
         "cluster.rollout.resources={head_node: 1}",
-        "cluster.reward.resources={worker: 1}",
-        "cluster.train.resources={worker: 1}",
+        "cluster.reward.resources={reward_node: 1}",
+        "cluster.train.resources={train_node: 1}",
+        "servers.launch=ray",
+        "cluster.servers.resources={reward_node: 1}",
     ]
 
 
@@ -179,28 +187,33 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
         }
         names = {role: node.name if node else None for role, node in placed.items()}
         # Placed by the resources each node declares: rollout where head_node is, reward
-        # and train on the two worker nodes, one each.
-        workers = {n.name for n in cluster.nodes if n.alive and "worker" in n.resources}
-        assert names["rollout"] == "head", names
-        assert names["reward"] != names["train"], names
-        assert {names["reward"], names["train"]} == workers, names
+        # and the server where reward_node is, train where train_node is.
+        assert names == {"rollout": "head", "reward": "b", "train": "c"}, names
+        assert [n.name for n in cluster.nodes if server_processes(n)] == ["b"]
+        urls_before = launched_urls(config, run_id)
 
         lost_reward_pid = status("reward")["pid"]
         placed["reward"].kill()
-        replacement = cluster.start_node("d", 2, {"d_node": 1, "worker": 1})
+        replacement = cluster.start_node("d", 2, REWARD_NODE | {"d_node": 1})
         assert not placed["reward"].alive
         wait_until(
             lambda: (
                 status("reward").get("pid") not in (None, lost_reward_pid)
                 and replacement.hosts(status("reward")["pid"])
+                and bool(server_processes(replacement))
             ),
             300,
-            "the reward role to run on the new node",
+            "the reward role and the inference server to run on the new node",
             train,
         )
         reached = step()
         wait_until(lambda: step() >= reached + 2, 300, "two more steps after the loss", train)
         assert "reward lost its Ray node" in train.output
+        assert "inference server 0 died; started again at" in train.output
+        # The new server answers elsewhere, the rollout role found it and loaded the
+        # version it serves into it.
+        assert launched_urls(config, run_id) != urls_before
+        assert status("rollout").get("server_recoveries", 0) >= 1
 
         placed["train"].kill()
         code = train.wait(300)
@@ -212,7 +225,7 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
     finally:
         train.kill()
 
-    cluster.start_node("e", 2, {"e_node": 1, "worker": 1})
+    cluster.start_node("e", 2, TRAIN_NODE | {"e_node": 1})
     resumed = Train(root, overrides, resume=run_id)
     try:
         assert resumed.wait(600) == 0, resumed.output[-4000:]
@@ -224,16 +237,33 @@ def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_tr
     assert audit.versions[-1] == STEPS
     assert audit.groups_lost == [] and audit.duplicated == 0
     assert audit.max_staleness <= config.staleness.max_staleness
+    assert not any(server_processes(node) for node in cluster.nodes)  # gone with the run
+
+
+def processes_running(node, marker: bytes) -> list[int]:  # noqa: ANN001 - a RayNode
+    """Pids of the processes on `node` whose command line holds `marker`."""
+    found = []
+    for pid in node.processes():
+        with contextlib.suppress(OSError):
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
 
 
 def rank_actors(node) -> list[int]:  # noqa: ANN001 - a RayNode
     """Pids of the trainer's following ranks (Ray actors) running on `node`."""
-    found = []
-    for pid in node.processes():
-        with contextlib.suppress(OSError):
-            if b"RankActor" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-    return found
+    return processes_running(node, b"RankActor")
+
+
+def server_processes(node) -> list[int]:  # noqa: ANN001 - a RayNode
+    """Pids of the inference servers running on `node`."""
+    return processes_running(node, b"-m\x00sluice.infra.serving.server\x00")
+
+
+def launched_urls(config, run_id: str) -> list[str]:  # noqa: ANN001 - a RunConfig
+    from sluice.tasks.process.inference_server import launched_server_urls
+
+    return launched_server_urls(config, run_id)
 
 
 def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
@@ -258,6 +288,8 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
             },
         ),
         "cluster.reward.resources={head_node: 1}",
+        "cluster.servers.resources={head_node: 1}",
+        "cluster.train.resources={worker: 1}",
         "cluster.train_strategy=STRICT_SPREAD",
     ]
     config = load_config("default", overrides)
@@ -273,6 +305,8 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
         statuses = read_statuses(config, paths)
         nodes = {r: cluster.node_of(statuses[r]["pid"]) for r in ("rollout", "reward", "train")}
         assert nodes["rollout"].name == nodes["reward"].name == "head"
+        # The inference server went with the rollout role (both ask for head_node).
+        assert [n.name for n in cluster.nodes if server_processes(n)] == ["head"]
         rank0 = nodes["train"]
         workers = [n for n in cluster.nodes if n.alive and "worker" in n.resources]
         assert len(workers) == 2 and rank0 in workers, [n.name for n in workers]
@@ -285,8 +319,8 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
     audit = audit_run(config, run_id)
     assert audit.problems() == [], audit.problems()
     assert audit.versions[-1] == steps
-    # The ranks went with the run.
-    assert not any(rank_actors(node) for node in cluster.nodes)
+    # The ranks and the server went with the run.
+    assert not any(rank_actors(node) or server_processes(node) for node in cluster.nodes)
 
 
 def test_a_one_node_instance_is_started_for_the_run_not_joined_from_a_running_cluster(

@@ -312,6 +312,29 @@ def test_unreachable_server_raises_a_clear_error() -> None:
     _run(go())
 
 
+def test_a_client_moved_to_a_restarted_servers_new_url_serves_from_there(
+    served: Served,
+) -> None:
+    """A server started again elsewhere (a Ray actor on another node): the rollout role
+    points its client at the new URL; the old one is no longer a server of the client."""
+    dead = f"http://127.0.0.1:{_free_port()}"
+
+    async def go() -> None:
+        async with InferenceClient([dead], timeout_s=30) as client:
+            with pytest.raises(InferenceServerUnreachableError):
+                await client.generate([3], {"max_new_tokens": 2})
+            client.set_urls([served.url + "/"])
+            assert await client.health() == {served.url: True}
+            result = await client.generate([3], {"max_new_tokens": 2})
+            assert result.server_url == served.url
+            with pytest.raises(ValueError, match="not servers of this client"):
+                await client.update_weights_from_disk(str(served.v0), 0, urls=[dead])
+            with pytest.raises(ValueError, match="at least one base URL"):
+                client.set_urls([])
+
+    _run(go())
+
+
 def test_requests_spread_over_servers(served: Served, tmp_path: Path) -> None:
     second_engine = InferenceEngine(served.v0, max_batch_size=4, max_seq_len=400)
     second = ServerThread(create_app(second_engine, shutdown_engine_on_exit=True))

@@ -179,3 +179,28 @@ def test_a_placement_no_node_offers_is_refused_naming_what_the_nodes_offer() -> 
         check_placement_fits(
             load_config(None, ["cluster.reward.resources={rollout_node: 1}"]), "reward", offered
         )
+
+
+def test_each_inference_server_actor_asks_for_its_placement_and_its_gpus() -> None:
+    from sluice.flows.cluster import check_placement_fits
+    from sluice.tasks.process.ray_servers import actor_options
+
+    cpu = load_config(
+        None, ["cluster.engine=ray", "servers.launch=ray", "cluster.servers.resources={s: 1}"]
+    )
+    options = actor_options(cpu)
+    assert (options["num_cpus"], options["num_gpus"], options["resources"]) == (1.0, 0.0, {"s": 1})
+    assert options["max_restarts"] == 0  # the flow starts a lost server again, not Ray
+    sglang = [
+        "cluster.engine=ray",
+        "servers.launch=ray",
+        "servers.engine=sglang",
+        "servers.gpus_per_server=2",
+    ]
+    assert actor_options(load_config(None, sglang))["num_gpus"] == 2.0
+    pinned = load_config(None, [*sglang, "cluster.servers.num_gpus=4"])
+    assert actor_options(pinned)["num_gpus"] == 4.0
+    offered = [{"CPU": 8.0, "GPU": 1.0}]
+    with pytest.raises(ClusterError, match=r"cluster.servers asks \(CPU 1, GPU 2\)"):
+        check_placement_fits(load_config(None, sglang), "servers", offered)
+    check_placement_fits(cpu, "servers", [{"CPU": 1.0, "s": 1.0}])

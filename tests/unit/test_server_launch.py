@@ -80,7 +80,7 @@ def test_a_storage_root_inside_the_workdir_is_mounted_through_it(tmp_path) -> No
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["servers.engine=sglang"], "servers.engine=sglang needs servers.image"),
+        (["servers.engine=sglang"], "servers.engine=sglang in containers needs servers.image"),
         (
             ["servers.engine=sglang", "servers.image=x"],
             "servers.engine=sglang needs servers.gpus_per_server >= 1",
@@ -94,6 +94,7 @@ def test_a_storage_root_inside_the_workdir_is_mounted_through_it(tmp_path) -> No
             "set servers.launch=embedded or rollout.weight_noise_std=0",
         ),
         (["servers.count=0"], "servers.count"),
+        (["servers.launch=ray"], "servers.launch=ray places the servers on the run's Ray cluster"),
     ],
 )
 def test_launcher_settings_that_cannot_work_are_refused(tmp_path, sets, message) -> None:
