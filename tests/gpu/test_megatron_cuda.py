@@ -20,6 +20,7 @@ pytestmark = [
 def test_bf16_distributed_optimizer_on_cuda_tracks_the_float32_torch_backend(
     tmp_path: Path,
 ) -> None:
+    pytest.importorskip("megatron.core", reason="needs megatron-core (the project's install)")
     from sluice.engines.inference.weights import read_weight_files
     from sluice.engines.megatron.trainer import MegatronPolicyTrainer
     from sluice.engines.rl.loss import make_policy_loss
