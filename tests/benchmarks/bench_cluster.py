@@ -33,7 +33,7 @@ from typing import Any
 ARMS: dict[str, dict[str, str]] = {
     "local": {"cluster.engine": "local"},
     "ray": {"cluster.engine": "ray"},
-    "ray+actors": {"cluster.engine": "ray", "servers.launch": "ray"},
+    "ray-actors": {"cluster.engine": "ray", "servers.launch": "ray"},
 }
 START_VERSION = 10
 
