@@ -251,6 +251,15 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
             probe_address(config.cluster.address)
         except ClusterError as err:
             raise ConfigError(str(err)) from None
+    if args.command in ("train", "bench"):
+        # Before anything is created: a missing key or a dead endpoint would otherwise
+        # surface as a botocore traceback from the flow's first write.
+        from sluice.infra.storage import StorageUnavailable, probe_storage
+
+        try:
+            probe_storage(config.storage.url, config.storage.options)
+        except StorageUnavailable as err:
+            raise ConfigError(str(err)) from None
     return args, config
 
 

@@ -245,6 +245,46 @@ def list_names(fs: fsspec.AbstractFileSystem, directory: str) -> list[str]:
     return [str(path).rstrip("/").rsplit("/", 1)[-1] for path in paths]
 
 
+class StorageUnavailable(ConnectionError):
+    """The run's storage cannot be reached, or refuses these credentials (one line)."""
+
+
+PROBE_CLIENT_CONFIG: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 10,
+    "retries": {"mode": "standard", "max_attempts": 2},
+}
+"""botocore settings of the one request that checks storage before a run starts: an
+endpoint that does not answer is reported in seconds, not after the run's retries."""
+
+
+def probe_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Check that `url`'s storage answers and accepts the credentials in the environment,
+    with one listing of it; raise StorageUnavailable saying which of those failed."""
+    options = dict(storage_options or {})
+    if fsspec.utils.get_protocol(url) in ("s3", "s3a"):
+        options["config_kwargs"] = {**PROBE_CLIENT_CONFIG, **options.get("config_kwargs", {})}
+        options["skip_instance_cache"] = True  # the run's own filesystems keep their settings
+    try:
+        fs, path = open_filesystem(url, options)
+        exists(fs, path)
+    except Exception as exc:  # botocore's error types are a soft dependency here
+        kind = type(exc).__name__
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else kind
+        if kind == "NoCredentialsError":
+            reason = (
+                "no credentials were found: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for the run"
+            )
+        elif isinstance(exc, PermissionError):
+            reason = f"access was refused with the credentials in the environment ({text})"
+        elif isinstance(exc, OSError) or "Endpoint" in kind or "Connect" in kind:
+            reason = f"nothing answered ({text})"
+        else:
+            reason = f"{kind}: {text}"
+        raise StorageUnavailable(f"storage {url} cannot be used: {reason}") from None
+
+
 def exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     """Whether ``path`` exists now (a cached listing is dropped first)."""
     fs.invalidate_cache(path)

@@ -112,3 +112,52 @@ def test_a_ray_head_nothing_answers_at_is_refused_with_one_line_before_anything_
     assert code == 2
     assert len(err) == 1 and f"cannot join the Ray cluster at 127.0.0.1:{port}" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def _s3_run(tmp_path, port: int) -> list[str]:
+    options = json.dumps({"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}})
+    return [
+        "train",
+        "--set",
+        f"workdir={tmp_path}",
+        "--set",
+        "storage.url=s3://bucket/runs",
+        "--set",
+        f"storage.options={options}",
+    ]
+
+
+def test_s3_storage_without_credentials_is_refused_with_one_line(tmp_path, capsys, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    code = main(_s3_run(tmp_path, _free_port()))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1, err
+    assert "storage s3://bucket/runs cannot be used: no credentials were found" in err[0]
+    assert not (tmp_path / "runs").exists()  # nothing was created
+
+
+def test_s3_storage_nothing_answers_at_is_refused_with_one_line(tmp_path, capsys, monkeypatch):
+    import time
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    started = time.monotonic()
+    code = main(_s3_run(tmp_path, _free_port()))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1, err
+    assert "storage s3://bucket/runs cannot be used: nothing answered" in err[0]
+    assert time.monotonic() - started < 60  # the probe's own deadline, not the run's retries
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
