@@ -15,23 +15,17 @@ import ctypes
 import multiprocessing
 import os
 import signal
-import socket
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
 
 from sluice.infra.config import RunConfig
+from sluice.tasks.process.inference_server import free_port
 from sluice.tasks.process.rank_trainer import build_rank_trainer
 from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RayRanks
 
 PR_SET_PDEATHSIG = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProcess] | RayRanks:
@@ -43,7 +37,7 @@ def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProces
 
         return start_ray_ranks(config, model_dir, torch.get_num_threads())
     world = config.trainer.world_size
-    port = _free_port()
+    port = free_port()
     # This process is the role and the group's rank 0; its children read the same.
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}

@@ -13,6 +13,7 @@ from sluice.flows.bench.async_vs_sync import (
 )
 from sluice.flows.cli import main
 from sluice.infra.config import load_config
+from sluice.tasks.process.inference_server import free_port
 
 
 def test_resume_of_an_unknown_run_fails_with_one_line_naming_it(tmp_path, capsys):
@@ -133,7 +134,7 @@ def test_s3_storage_without_credentials_is_refused_with_one_line(tmp_path, capsy
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    code = main(_s3_run(tmp_path, _free_port()))
+    code = main(_s3_run(tmp_path, free_port()))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1, err
@@ -147,17 +148,9 @@ def test_s3_storage_nothing_answers_at_is_refused_with_one_line(tmp_path, capsys
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     started = time.monotonic()
-    code = main(_s3_run(tmp_path, _free_port()))
+    code = main(_s3_run(tmp_path, free_port()))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1, err
     assert "storage s3://bucket/runs cannot be used: nothing answered" in err[0]
     assert time.monotonic() - started < 60  # the probe's own deadline, not the run's retries
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
