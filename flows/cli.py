@@ -243,6 +243,15 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
             check_model_dir(config.model.path, config.model.chat_template)
         except ModelDirError as err:
             raise ConfigError(str(err)) from None
+        if config.trainer.lora.rank:  # the adapters' modules and rank, before anything runs
+            from sluice.engines.rl import lora
+
+            try:
+                lora.check_model_dir(
+                    config.model.path, lora.LoraSettings(**config.trainer.lora.model_dump())
+                )
+            except lora.LoraError as err:
+                raise ConfigError(str(err)) from None
     if config.cluster.engine == "ray" and config.cluster.address and args.command == "train":
         # Before anything is created: ray.init itself waits minutes on a dead address.
         from sluice.flows.cluster import ClusterError, probe_address

@@ -51,6 +51,27 @@ class AdvantageConfig(_Section):
     """Drop groups whose responses all got the same reward (they carry zero advantage)."""
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA, through peft) instead of full fine-tuning; off at rank 0."""
+
+    rank: int = Field(0, ge=0, le=4096)
+    """r: the adapters' rank; 0 = full fine-tuning. Only the adapters train (every base weight is frozen and out of the optimizer); each version is published as the merged weights, so serving is unchanged. Torch backend only."""
+    alpha: int = Field(16, ge=1)
+    """Scale of the adapters' update: W + (alpha / r) * B A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    """Names of the linear layers that get an adapter (the last part of their module name); a name the model lacks is refused naming the ones it has."""
+
+
 class TrainerConfig(_Section):
     """Optimisation."""
 
@@ -96,6 +117,8 @@ class TrainerConfig(_Section):
     """Rollout correction of the behaviour importance weight."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimator."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of full fine-tuning (`rank` > 0)."""
 
     @property
     def world_size(self) -> int:
@@ -112,6 +135,11 @@ class TrainerConfig(_Section):
         asked = [f"{name}={size}" for name, size in sizes.items() if size > 1]
         asked += ["distributed_optimizer=true"] if self.distributed_optimizer else []
         asked += [f"dtype={self.dtype}"] if self.dtype != "float32" else []
+        if self.lora.rank and self.backend != "torch":
+            raise ValueError(
+                "trainer.lora trains adapters with the torch backend only; set "
+                "trainer.backend=torch or trainer.lora.rank=0"
+            )
         if asked and self.backend != "megatron":
             raise ValueError(
                 f"{' and '.join(asked)} {'need' if len(asked) > 1 else 'needs'} backend=megatron "

@@ -39,6 +39,7 @@ from sluice.engines.rl.batching import (
     pack_sequences,
     register_packed_attention,
 )
+from sluice.engines.rl.lora import LoraSettings, load_parts, save_merged, save_parts
 from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
@@ -78,8 +79,10 @@ class PolicyTrainer:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         decoupled: bool = True,
+        lora: LoraSettings | None = None,
     ):
         self.settings = settings
+        self.lora = lora if lora is not None and lora.enabled else None
         self.loss_fn = loss_fn
         self.correction_fn = correction_fn
         self.decoupled = decoupled
@@ -88,6 +91,8 @@ class PolicyTrainer:
         self._tokenizer_files = read_tokenizer_files(model_dir)
         # Varlen attention over packed rows: Σ l² instead of T², no cross-sequence leakage.
         self.model.set_attn_implementation(register_packed_attention())
+        if self.lora is not None:  # adapters only; resumed exactly from the trainer state
+            self.model = load_parts(self.model, Path(model_dir), self.lora)
         self.model.train()
         self.optimizer = self._make_optimizer()
         self.steps_done = 0
@@ -115,7 +120,7 @@ class PolicyTrainer:
 
     def _make_optimizer(self) -> Any:
         return torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=self.settings.lr,
             betas=self.settings.adam_betas,
             eps=self.settings.adam_eps,
@@ -414,11 +419,19 @@ class PolicyTrainer:
 
     def _saved_state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` records about this trainer."""
-        return {"steps_done": self.steps_done, "backend": self.backend}
+        saved: dict[str, Any] = {"steps_done": self.steps_done, "backend": self.backend}
+        if self.lora is not None:
+            saved["lora"] = self.lora.as_dict()
+        return saved
 
     def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
         """Write the HF weights (and optimizer state); False if another process writes the rest."""
-        self.model.save_pretrained(out, safe_serialization=True)
+        if self.lora is not None:  # merged weights to serve; base and adapter to resume
+            save_merged(self.model, out)
+            if include_optimizer:
+                save_parts(self.model, out, self.lora)
+        else:
+            self.model.save_pretrained(out, safe_serialization=True)
         if include_optimizer:
             torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
         return True

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.lora import LoraSettings
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
@@ -55,4 +56,5 @@ def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
             distributed_optimizer=t.distributed_optimizer,
             dtype=getattr(torch, t.dtype),
         )
-    return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled)
+    lora = LoraSettings(**t.lora.model_dump()) if t.lora.rank else None
+    return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled, lora=lora)

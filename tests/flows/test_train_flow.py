@@ -3,11 +3,12 @@ real Arrow shards on disk. Checks what a user would look at afterwards."""
 
 import pytest
 
+from sluice.infra.checkpoints import read_manifest
 from sluice.infra.config import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import get_metric_history
-from sluice.tasks.run.paths import registered_model_name
+from sluice.tasks.run.paths import registered_model_name, run_paths
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -62,10 +63,16 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     assert {"run-summary", "policy-versions"} <= keys
 
 
-def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(prefect_api, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
+    prefect_api, tmp_path, lora_rank
+):
     from sluice.flows.train import train
 
-    first = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2}))
+    first = load_config(
+        "default",
+        tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2, "trainer.lora.rank": lora_rank}),
+    )
     done = train(first, run_id="resumed")
     assert done["final_policy_version"] == 2
 
@@ -86,6 +93,16 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(prefec
     # Every trained shard went into exactly one version across both flow runs.
     trainer = StreamReader(longer.storage.url, "resumed", "scored", consumer="trainer")
     assert len(trainer.acked()) == 4 * longer.trainer.prompts_per_batch
+
+    # A LoRA run publishes plain merged weights; the adapter and its base are trainer
+    # state (what the resumed trainer went on from).
+    newest = registry.latest()
+    assert newest is not None
+    published = {f.name for f in read_manifest(newest.checkpoint_uri).files}
+    state = {f.name for f in read_manifest(run_paths(longer, "resumed").trainer_state(4)).files}
+    lora_files = {"lora_base.safetensors", "lora_adapter.safetensors"}
+    assert not published & lora_files and "config.json" in published
+    assert (lora_files <= state) == bool(lora_rank)
 
 
 def test_resume_of_a_finished_run_says_what_to_raise(prefect_api, tmp_path):
