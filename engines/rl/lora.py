@@ -161,15 +161,17 @@ def save_parts(peft_model: Any, state_dir: Path, settings: LoraSettings) -> None
     """Base weights and adapter into the trainer state directory."""
     from safetensors.torch import save_file
 
-    meta = {"lora": str(settings.as_dict())}
-    base = {k: v.detach().contiguous() for k, v in base_state_dict(peft_model).items()}
-    # Tied embeddings share one tensor: safetensors stores each storage once.
-    seen: dict[int, str] = {}
-    for key in list(base):
-        ptr = base[key].data_ptr()
-        if ptr in seen:
-            base[key] = base[key].clone()
-        seen[ptr] = key
+    base: dict[str, torch.Tensor] = {}
+    tied: list[str] = []
+    seen: set[int] = set()
+    for key, value in base_state_dict(peft_model).items():
+        # Tied weights (input and output embeddings) are one tensor: stored once.
+        if value.data_ptr() in seen:
+            tied.append(key)
+            continue
+        seen.add(value.data_ptr())
+        base[key] = value.detach().contiguous()
+    meta = {"lora": str(settings.as_dict()), "tied": ",".join(tied)}
     save_file(base, str(state_dir / LORA_BASE_FILE), metadata=meta)
     adapter = {k: v.detach().contiguous() for k, v in adapter_state_dict(peft_model).items()}
     save_file(adapter, str(state_dir / LORA_ADAPTER_FILE), metadata=meta)
@@ -186,14 +188,20 @@ def load_parts(model: Any, model_dir: Path, settings: LoraSettings) -> Any:
     if not base_path.is_file():
         return apply_lora(model, settings)
     with safe_open(str(base_path), "pt") as handle:
-        saved = (handle.metadata() or {}).get("lora")
+        metadata = handle.metadata() or {}
+    saved, tied = metadata.get("lora"), set(filter(None, metadata.get("tied", "").split(",")))
     if saved != str(settings.as_dict()):
         raise LoraError(
             f"{str(model_dir)!r} was trained with trainer.lora={saved}; resume it with the "
             f"same settings (now {settings.as_dict()})"
         )
     device = next(model.parameters()).device
-    model.load_state_dict(load_file(str(base_path), device=str(device)), strict=True)
+    result = model.load_state_dict(load_file(str(base_path), device=str(device)), strict=False)
+    if set(result.missing_keys) - tied or result.unexpected_keys:
+        raise LoraError(
+            f"{base_path} does not fit this model (missing {sorted(result.missing_keys)[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]})"
+        )
     peft_model = apply_lora(model, settings)
     adapter = load_file(str(adapter_path), device=str(device))
     state = peft_model.get_base_model().state_dict()
