@@ -122,8 +122,9 @@ def train(
             planned_servers(config, run_id) as ports,  # servers.launch=docker: containers
             role_runner(config, ROLE_TASK_NAMES, run_id, mlflow_run_id) as placed,
         ):
-            if placed is not None and config.servers.launch == "ray":
-                check_placement_fits(config, "servers", placed.offered)
+            ray_servers = placed if config.servers.launch == "ray" else None
+            if ray_servers is not None:
+                check_placement_fits(config, "servers", ray_servers.offered)
             futures = run_roles(
                 roles,
                 ROLE_TASK_NAMES,
@@ -138,10 +139,10 @@ def train(
                 futures["servers"] = serve_inference.submit(
                     config.model_dump(mode="json"), run_id, ports
                 )
-            elif placed is not None and config.servers.launch == "ray":
+            elif ray_servers is not None:
                 # Actors started from this process (a driver of the cluster), with the
                 # config the nodes read.
-                futures["servers"] = serve_inference.submit(placed.shipped, run_id, [])
+                futures["servers"] = serve_inference.submit(ray_servers.shipped, run_id, [])
             watch_progress(config, run_id, futures, started=started, placed=placed)
             role_results(futures)  # raises if a role failed after its retries
     return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

@@ -15,20 +15,14 @@ from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
 from sluice.engines.rl.trainer_files import move_trainer_state
+from tests.unit.synthetic import SHIPPED, random_samples
 
-SHIPPED = next((Path(__file__).resolve().parents[2] / "engines/policy/policies").glob("*/"))
 SETTINGS = TrainerSettings(ppo_minibatches=2, max_tokens_per_micro_batch=200, lr=1e-2)
 LORA = LoraSettings(rank=4, alpha=8)
 
 
-def samples(seed: int, n: int = 16) -> list[TrainingSample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        response = rng.integers(3, 30, int(rng.integers(3, 30)))
-        behaviour = (-2.0 + 0.1 * rng.normal(size=len(response))).astype(np.float32)
-        out.append(TrainingSample(rng.integers(3, 30, 10), response, behaviour, rng.normal()))
-    return out
+def samples(seed: int) -> list[TrainingSample]:
+    return random_samples(seed, n=16, prompt_len=10, max_response=30)
 
 
 def trainer(model_dir: Path = SHIPPED, lora: LoraSettings | None = LORA) -> PolicyTrainer:

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,15 +14,9 @@ from sluice.engines.inference.weights import read_weight_files
 from sluice.engines.megatron.trainer import MegatronPolicyTrainer
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
-
-SHIPPED = (
-    Path(__file__).resolve().parents[2]
-    / "engines"
-    / "policy"
-    / "policies"
-    / "longtail_sum-llama-0.9m"
-)
+from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
+from tests.unit.synthetic import SHIPPED
+from tests.unit.synthetic import random_samples as _samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,16 +30,6 @@ def fresh_parallel_state() -> Iterator[None]:
     parallel_state.destroy_model_parallel()
     if started_here and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _samples(seed: int, n: int = 24) -> list[TrainingSample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        response = rng.integers(3, 30, int(rng.integers(3, 40)))
-        behaviour = (-2.0 + 0.1 * rng.normal(size=len(response))).astype(np.float32)
-        out.append(TrainingSample(rng.integers(3, 30, 12), response, behaviour, rng.normal()))
-    return out
 
 
 # Two PPO minibatches, several micro-batches each, token-level TIS: every shared path runs.
