@@ -332,9 +332,13 @@ class ServerActors:
             except ValueError as exc:  # no actor of that name any more
                 raise RayServerLost(url, f"inference server actor {name} is gone: {exc}") from exc
         for url, ref in paths.items():
-            try:
-                paths[url] = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            try:  # a deadline: an actor that never answers must not hold the role
+                paths[url] = ray.get(ref, timeout=self.config.servers.start_timeout_s)
+            except (
+                ray.exceptions.RayActorError,
+                ray.exceptions.ActorUnavailableError,
+                ray.exceptions.GetTimeoutError,
+            ) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise RayServerLost(url, f"inference server at {url} lost: {first}") from exc
         return paths
