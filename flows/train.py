@@ -39,6 +39,7 @@ from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import ROLES, run_paths, run_registry
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
+from sluice.tasks.run.versions import serving_start
 
 
 class ResumeError(RuntimeError):
@@ -112,7 +113,7 @@ def train(
         )
 
         prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
-        start = run_registry(config, run_id).latest()
+        start = serving_start(config, run_registry(config, run_id))
         if start is not None:  # lets the rollout role start its server before its own imports
             write_start(config, run_id, start.policy_version, start.checkpoint_uri)
 

@@ -80,6 +80,10 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
     """The address the server binds (0.0.0.0 where other machines must reach it)."""
+    lora_rank: int = 0
+    """A LoRA run's adapter rank (0: none); SGLang reserves room for adapters this large."""
+    lora_target_modules: tuple[str, ...] = ()
+    """The layers a LoRA run's adapters adapt (SGLang's ``--lora-target-modules``)."""
 
     @property
     def url(self) -> str:
@@ -98,6 +102,14 @@ class ServerSpec:
                 "--dtype", self.dtype,
                 "--weight-version", str(self.weight_version),
             ]  # fmt: skip
+            if self.lora_rank:  # the adapter in use and the one replacing it, at most
+                argv += [
+                    "--enable-lora",
+                    "--max-lora-rank", str(self.lora_rank),
+                    "--lora-target-modules", *self.lora_target_modules,
+                    "--max-loras-per-batch", "2",
+                    "--max-loaded-loras", "2",
+                ]  # fmt: skip
         else:
             argv = [
                 "python", "-m", "sluice.infra.serving.server",

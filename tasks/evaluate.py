@@ -35,7 +35,6 @@ from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.evaluation import heldout_metrics
-from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
@@ -43,7 +42,7 @@ from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import run_registry
-from sluice.tasks.run.versions import is_policy_file
+from sluice.tasks.run.versions import fetch_model_uri
 from sluice.tasks.tool_runner import ToolBox, episode_spec
 
 log = logging.getLogger("sluice.evaluate")
@@ -195,13 +194,7 @@ def evaluate_checkpoint(
     The evaluate role, `sluice eval` and the time-to-target benchmark share the cache,
     so weights one of them fetched are not downloaded again.
     """
-    local = fetch_checkpoint(
-        checkpoint_uri,
-        eval_weights_dir(config, run_id),
-        storage_options=config.storage.options,
-        keep_latest=2,
-        select=is_policy_file,
-    )
+    local = fetch_model_uri(config, checkpoint_uri, eval_weights_dir(config, run_id), keep_latest=2)
     return evaluate_model_dir(config, local, policy_version)
 
 

@@ -23,7 +23,6 @@ import os
 import time
 import uuid
 from functools import reduce
-from pathlib import Path
 from typing import Any
 
 from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
@@ -47,12 +46,13 @@ from sluice.infra.serving.client import (
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.tasks.process.inference_server import EmbeddedServer, launched_server_urls
-from sluice.tasks.process.ray_servers import RayServerLost, ServerActors
+from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.rollout_stats import RolloutStats
+from sluice.tasks.rollout_weights import ServedWeights
 from sluice.tasks.run.paths import ROLLOUTS
-from sluice.tasks.run.versions import fetch_policy, superseded
+from sluice.tasks.run.versions import serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
@@ -93,14 +93,13 @@ class RolloutRole(Role):
         server: EmbeddedServer | None = None,
     ):
         self.server = server
-        self.actors: ServerActors | None = None  # servers.launch=ray: the server actors
         # Set once the servers are known: whether a server that stops answering is waited
         # for (servers the role does not own) and for how long.
         self.recoverable = False
         self.health_timeout_s = 300.0
         try:
             super().__init__(config, run_id, mlflow_run_id)
-            self.cache_dir = self.local_dir("rollout-weights")
+            self.weights = ServedWeights(config, self.local_dir("rollout-weights"))
             self.writer = self.stream_writer(ROLLOUTS, writer_id=f"rollout-{os.getpid()}")
             self.prompts = PromptSource(config)
         except BaseException:
@@ -133,11 +132,6 @@ class RolloutRole(Role):
 
     # ------------------------------------------------------------ weights
 
-    def fetch(self, version: CommittedVersion) -> Path:
-        # One digest-keyed cache for every version; keep the served weights and the next.
-        # Absolute: a server in another process or container resolves no relative path.
-        return fetch_policy(self.config, version, self.cache_dir, keep_latest=2).resolve()
-
     async def maybe_update_weights(self, client: InferenceClient) -> None:
         latest = await asyncio.to_thread(self.registry.latest)
         if (
@@ -148,7 +142,7 @@ class RolloutRole(Role):
             return
         # Fetch before pausing: generation keeps running while the bytes move.
         try:
-            staged = await self.stage(latest)
+            staged = await self.weights.stage(latest)
         except CheckpointIncomplete:
             if not await asyncio.to_thread(superseded, self.registry, latest):
                 raise
@@ -157,11 +151,11 @@ class RolloutRole(Role):
         if self.config.rollout.interruptible:
             await client.pause(self.config.rollout.pause_mode)
             try:
-                await self.load(client, staged, latest)
+                await self.weights.load(client, staged, latest)
             finally:
                 await client.continue_()
         else:  # wait-for-drain baseline: the server finishes in-flight requests first
-            await self.load(client, staged, latest)
+            await self.weights.load(client, staged, latest)
         self.stats.update_time_s += time.monotonic() - started
         self.stats.weight_updates += 1
         log.info(
@@ -170,35 +164,6 @@ class RolloutRole(Role):
             time.monotonic() - started,
         )
         self.current = latest
-
-    async def stage(self, version: CommittedVersion) -> dict[str | None, str]:
-        """`version`'s weights where the servers read them: per server URL, a path on
-        that server's node (Ray actors), or one local path for every server (None)."""
-        if self.actors is not None:
-            actors = self.actors
-            try:
-                return dict(await asyncio.to_thread(actors.prefetch, version))
-            except RayServerLost as exc:
-                raise InferenceServerUnreachableError(exc.url, str(exc)) from exc
-        return {None: str(await asyncio.to_thread(self.fetch, version))}
-
-    async def load(
-        self,
-        client: InferenceClient,
-        staged: dict[str | None, str],
-        version: CommittedVersion,
-        urls: list[str] | None = None,
-    ) -> None:
-        """Every server of `urls` (all) loads `version` from where `stage` put it."""
-        if None in staged:
-            await client.update_weights_from_disk(staged[None], version.policy_version, urls=urls)
-            return
-        await asyncio.gather(
-            *(
-                client.update_weights_from_disk(staged[url], version.policy_version, urls=[url])
-                for url in (urls if urls is not None else client.base_urls)
-            )
-        )
 
     # ------------------------------------------------------------ groups
 
@@ -273,8 +238,10 @@ class RolloutRole(Role):
 
     async def generate(self) -> None:
         cfg = self.config
-        self.current = self.wait_for_first_version(timeout_s=FIRST_VERSION_TIMEOUT_S)
-        local = self.fetch(self.current)
+        first = self.wait_for_first_version(timeout_s=FIRST_VERSION_TIMEOUT_S)
+        # Servers start on the newest version, or a LoRA run's base: adapters go on it.
+        self.current = serving_start(cfg, self.registry) or first
+        local = await asyncio.to_thread(self.weights.start, self.current)
         # A prompt must leave the engine room for at least one token.
         tokenizer = self.prompts.use_policy(local).tokenizer
         assert tokenizer is not None
@@ -291,9 +258,9 @@ class RolloutRole(Role):
             self.stop_server()
         launched = cfg.servers.launch != "embedded"
         if cfg.servers.launch == "ray":
-            self.actors = ServerActors(cfg, self.run_id)
+            actors = self.weights.actors = ServerActors(cfg, self.run_id)
             urls = await asyncio.to_thread(
-                self.actors.wait, cfg.servers.start_timeout_s, self.control.should_stop
+                actors.wait, cfg.servers.start_timeout_s, self.control.should_stop
             )
         elif launched:
             urls = launched_server_urls(cfg, self.run_id)
@@ -320,7 +287,9 @@ class RolloutRole(Role):
         try:
             await client.wait_until_healthy(timeout_s=self.health_timeout_s)
             if external:  # external servers start from whatever they hold
-                await self.load(client, await self.stage(self.current), self.current)
+                await self.weights.load(
+                    client, await self.weights.stage(self.current), self.current
+                )
             self.recoverable = external
             await self._loop(client)
         finally:
@@ -440,8 +409,9 @@ class RolloutRole(Role):
         )
         deadline = time.monotonic() + self.health_timeout_s
         while not all((await client.health()).values()):
-            if self.actors is not None:  # a server started again answers elsewhere
-                client.set_urls(await asyncio.to_thread(self.actors.read))
+            actors = self.weights.actors
+            if actors is not None:  # a server started again answers elsewhere
+                client.set_urls(await asyncio.to_thread(actors.read))
             if self.control.should_stop():
                 return  # the run ended (its servers go with it): nothing to recover
             if time.monotonic() > deadline:
@@ -452,7 +422,8 @@ class RolloutRole(Role):
         info = await client.model_info()
         stale = [url for url, answer in info.items() if answer.get("weight_version") != served]
         if stale and self.current is not None:
-            await self.load(client, await self.stage(self.current), self.current, urls=stale)
+            staged = await self.weights.stage(self.current)
+            await self.weights.load(client, staged, self.current, urls=stale)
         log.info(
             "servers answer again; %d reloaded policy version %s",
             len(stale), self.current.policy_version if self.current else "-",

@@ -26,6 +26,7 @@ from sluice.engines.rl.samples import (
     samples_from_table,
     staleness_stats,
 )
+from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from sluice.infra.config import RunConfig
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
@@ -92,6 +93,7 @@ class SyncRole(TrainingRole):
             correct_reward=cfg.reward.correct_reward,
             incorrect_reward=cfg.reward.incorrect_reward,
         )
+        adapter = model_dir / ADAPTER_DIR  # a resumed LoRA run: its base, then the adapter
         engine = InferenceEngine(
             model_dir,
             device=resolve_device(cfg.device),
@@ -99,8 +101,10 @@ class SyncRole(TrainingRole):
             max_batch_size=cfg.rollout.max_batch_size,
             max_seq_len=cfg.rollout.max_seq_len,
             seed=cfg.seed,
-            weight_version=latest.policy_version,
+            weight_version=0 if adapter.is_dir() else latest.policy_version,
         )
+        if adapter.is_dir():
+            engine.update_weights_from_disk(adapter, latest.policy_version)
         trainer = build_trainer(cfg, model_dir)
         advantages = advantage_fn(cfg)
         version = latest.policy_version

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sluice.engines.policy.adapter import is_adapter_dir
 from sluice.engines.rl.advantages import AdvantageFn, make_advantage_fn
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.checkpoints import save_checkpoint
@@ -25,7 +26,13 @@ from sluice.tasks.process.trainer_ranks import join, start_following_ranks
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import filesystem
 from sluice.tasks.run.retention import Retention
-from sluice.tasks.run.versions import SavedVersion, fetch_training_dir, write_consumed
+from sluice.tasks.run.versions import (
+    SavedVersion,
+    base_reference,
+    fetch_training_dir,
+    write_base_reference,
+    write_consumed,
+)
 
 
 def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
@@ -73,6 +80,7 @@ class TrainingRole(Role):
 
     lease: StorageLease | None = None
     _retention: Retention | None = None
+    _base_reference: dict[str, Any] | None = None
     last_commit_s: float | None = None
     """How long the latest upload + registry commit took (what a version waits before
     the rollout can see it)."""
@@ -134,6 +142,10 @@ class TrainingRole(Role):
         )
         if consumed is not None:
             write_consumed(self.config, self.paths, version, consumed)
+        if is_adapter_dir(saved.policy):  # a LoRA version names the base it applies to
+            if self._base_reference is None:
+                self._base_reference = base_reference(self.config, self.registry)
+            write_base_reference(saved.policy, self._base_reference)
         uri = save_checkpoint(saved.policy, self.paths.checkpoint(version), options, replace=True)
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version

@@ -42,12 +42,18 @@ from sluice.engines.inference.loading import (
     resolve_dtype,
 )
 from sluice.engines.inference.scheduler import Scheduler
-from sluice.engines.inference.types import WeightUpdateReport
+from sluice.engines.inference.types import WeightLoadError, WeightUpdateReport
 from sluice.engines.inference.weights import (
     check_model_type,
     match_state_dict,
     perturb_weights,
     read_weight_files,
+)
+from sluice.engines.policy.adapter import (
+    AdapterError,
+    is_adapter_dir,
+    merged_weights,
+    read_adapter,
 )
 
 log = logging.getLogger(__name__)
@@ -165,6 +171,9 @@ class InferenceEngine(Scheduler):
             weight_version=weight_version,
         )
         self._update_lock = threading.Lock()
+        self._base_path = self.model_dir
+        """The last full checkpoint loaded: the base an adapter update applies to."""
+        self._adapter_base: dict[str, torch.Tensor] | None = None
         self.weight_noise_std = float(weight_noise_std)
         self._noise_seed = int(seed)
         if self.weight_noise_std:
@@ -184,7 +193,8 @@ class InferenceEngine(Scheduler):
         drain: bool = False,
         abort_all_requests: bool = False,
     ) -> WeightUpdateReport:
-        """Load new weights (same architecture) from a Hugging Face directory.
+        """Load new weights (same architecture) from a Hugging Face directory, or fold a
+        LoRA adapter directory (PEFT's format) into the base weights.
 
         Interruptible (default): applied between two decode steps; every
         in-flight sequence has its KV recomputed under the new weights, so its
@@ -196,10 +206,15 @@ class InferenceEngine(Scheduler):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
         with self._update_lock:
             t0 = time.perf_counter()
-            # Reading from disk happens while generation keeps running.
-            tensors = self._perturb(read_weight_files(model_path), weight_version)
-            check_model_type(model_path, self.model_type)
-            targets = match_state_dict(self.model.state_dict(), tensors, model_path)
+            # Reading from disk (and folding an adapter) happens while generation goes on.
+            adapter = is_adapter_dir(model_path)
+            if adapter:
+                tensors = self._perturb(self._merge_adapter(model_path), weight_version)
+                targets = self.model.state_dict()
+            else:
+                tensors = self._perturb(read_weight_files(model_path), weight_version)
+                check_model_type(model_path, self.model_type)
+                targets = match_state_dict(self.model.state_dict(), tensors, model_path)
             read_s = time.perf_counter() - t0
             drain_wait_s = 0.0
             if drain:
@@ -221,6 +236,8 @@ class InferenceEngine(Scheduler):
                     for name, tensor in tensors.items():
                         targets[name].copy_(tensor)
                 self._batch.prompts.clear()
+                if not adapter:  # a new base: the next adapter applies to these weights
+                    self._adapter_base, self._base_path = None, str(model_path)
                 self._weight_version = weight_version
                 self._admitting = True
                 apply_s = time.perf_counter() - t2
@@ -232,6 +249,31 @@ class InferenceEngine(Scheduler):
                 drain_wait_s=drain_wait_s,
                 apply_s=apply_s,
             )
+
+    def _merge_adapter(self, adapter_dir: str | Path) -> dict[str, torch.Tensor]:
+        """The weights a LoRA adapter changes, folded into the base (W + alpha/r · B A).
+
+        The base is the last full checkpoint loaded; the weights an adapter touches are
+        kept as they were then (a copy on the model's device, as large as the adapted
+        layers), so every adapter is applied to the base exactly, however many came
+        before it. With injected noise the copy is read clean from the base's files."""
+        try:
+            adapter = read_adapter(adapter_dir)
+            if self._adapter_base is None or not set(adapter.factors) <= set(self._adapter_base):
+                source = (
+                    read_weight_files(self._base_path)
+                    if self.weight_noise_std
+                    else self.model.state_dict()
+                )
+                self._adapter_base = {
+                    name: source[name].detach().to(self.device, copy=True)
+                    for name in adapter.factors
+                    if name in source
+                }
+            merged = merged_weights(self._adapter_base, adapter, adapter_dir)
+        except AdapterError as exc:
+            raise WeightLoadError(str(exc)) from exc
+        return {name: tensor.to(self.dtype) for name, tensor in merged.items()}
 
     def _perturb(
         self, tensors: dict[str, torch.Tensor], weight_version: int

@@ -2,10 +2,10 @@
 
 Only the adapters train: every base weight is frozen and out of the optimizer, and the
 loss, the proximal pass and the micro-batching see the same model call as without LoRA.
-A version is published as merged weights (W + (alpha / r) * B A for every adapted
-layer), a plain Hugging Face directory that every engine loads as before; the trainer
-state beside it keeps what a resuming trainer needs to go on exactly where it stopped:
-the base weights and the adapter, apart.
+A version after 0 is published as the adapter alone, in PEFT's format
+(``sluice.engines.policy.adapter``): megabytes instead of the model. The base is version
+0, which never changes, so a resuming trainer loads the base, then the adapter, and goes
+on exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from sluice.engines.rl.trainer_files import LORA_STATE_FILES
+from sluice.engines.policy.adapter import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    read_adapter_config,
+)
 
-LORA_BASE_FILE, LORA_ADAPTER_FILE = LORA_STATE_FILES
-"""Trainer state: the frozen base weights the adapter is trained on, and the adapter's
-A and B matrices."""
 ADAPTER = "default"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -110,105 +111,49 @@ def apply_lora(model: Any, settings: LoraSettings) -> Any:
     return get_peft_model(model, config, adapter_name=ADAPTER)
 
 
-def _lora_layers(peft_model: Any) -> dict[str, Any]:
-    """Adapted layers by the name their weight has in the plain model."""
-    from peft.tuners.lora import LoraLayer
+def save_adapter(peft_model: Any, out: Path) -> None:
+    """The adapter as PEFT writes it (``adapter_config.json``, ``adapter_model.safetensors``):
+    a directory PEFT, SGLang and Sluice's engine load on top of the base."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
 
-    base = peft_model.get_base_model()
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.peft_config[ADAPTER].save_pretrained(str(out))
+    state = get_peft_model_state_dict(peft_model, adapter_name=ADAPTER)
+    tensors = {k: v.detach().contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def saved_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """`LoraSettings.as_dict` of a saved ``adapter_config.json``."""
+    targets = config.get("target_modules") or []
     return {
-        name: module
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
+        "rank": config.get("r"),
+        "alpha": config.get("lora_alpha"),
+        "dropout": config.get("lora_dropout"),
+        "target_modules": sorted([targets] if isinstance(targets, str) else targets),
     }
 
 
-def _plain(name: str) -> str:
-    return name.replace(".base_layer", "")
-
-
-def base_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
-    """The frozen base weights, named as in the plain model (no adapter tensors)."""
-    state = peft_model.get_base_model().state_dict()
-    return {_plain(k): v for k, v in state.items() if ".lora_" not in k}
-
-
-def adapter_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
-    """The adapter's tensors (A and B of every adapted layer)."""
-    state = peft_model.get_base_model().state_dict()
-    return {k: v for k, v in state.items() if ".lora_" in k}
-
-
-def merged_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
-    """The plain model's weights with every adapter folded in: W + scale * B A. The
-    model itself is left as it is (nothing merged in place and taken out again)."""
-    # Weights no adapter touches stay the model's own tensors (tied ones stay tied).
-    merged = {k: v.detach() for k, v in base_state_dict(peft_model).items()}
-    with torch.no_grad():
-        for name, layer in _lora_layers(peft_model).items():
-            key = f"{name}.weight"
-            delta = layer.get_delta_weight(ADAPTER).detach()
-            merged[key] = (merged[key] + delta.to(merged[key].dtype)).contiguous()
-    return merged
-
-
-def save_merged(peft_model: Any, out: Path) -> None:
-    """The merged weights as a Hugging Face directory (config and safetensors)."""
-    base = peft_model.get_base_model()
-    base.save_pretrained(out, state_dict=merged_state_dict(peft_model), safe_serialization=True)
-
-
-def save_parts(peft_model: Any, state_dir: Path, settings: LoraSettings) -> None:
-    """Base weights and adapter into the trainer state directory."""
-    from safetensors.torch import save_file
-
-    base: dict[str, torch.Tensor] = {}
-    tied: list[str] = []
-    seen: set[int] = set()
-    for key, value in base_state_dict(peft_model).items():
-        # Tied weights (input and output embeddings) are one tensor: stored once.
-        if value.data_ptr() in seen:
-            tied.append(key)
-            continue
-        seen.add(value.data_ptr())
-        base[key] = value.detach().contiguous()
-    meta = {"lora": str(settings.as_dict()), "tied": ",".join(tied)}
-    save_file(base, str(state_dir / LORA_BASE_FILE), metadata=meta)
-    adapter = {k: v.detach().contiguous() for k, v in adapter_state_dict(peft_model).items()}
-    save_file(adapter, str(state_dir / LORA_ADAPTER_FILE), metadata=meta)
-
-
-def load_parts(model: Any, model_dir: Path, settings: LoraSettings) -> Any:
-    """`model` (loaded from a published, merged version) with the base weights and the
-    adapter of the trainer state in `model_dir` put back: the exact model that saved
-    them. A fresh adapter on `model` when the directory has none (version 0)."""
-    from safetensors import safe_open
+def load_adapter(model: Any, adapter_dir: Path, settings: LoraSettings) -> Any:
+    """`model` (the base) with the adapter saved in `adapter_dir` put back: the exact
+    model that saved it. A fresh adapter when there is none (version 0)."""
+    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    base_path, adapter_path = model_dir / LORA_BASE_FILE, model_dir / LORA_ADAPTER_FILE
-    if not base_path.is_file():
-        return apply_lora(model, settings)
-    with safe_open(str(base_path), "pt") as handle:
-        metadata = handle.metadata() or {}
-    saved, tied = metadata.get("lora"), set(filter(None, metadata.get("tied", "").split(",")))
-    if saved != str(settings.as_dict()):
+    peft_model = apply_lora(model, settings)
+    if not (adapter_dir / ADAPTER_CONFIG_FILE).is_file():
+        return peft_model
+    saved = saved_settings(read_adapter_config(adapter_dir))
+    if saved != settings.as_dict():
         raise LoraError(
-            f"{str(model_dir)!r} was trained with trainer.lora={saved}; resume it with the "
+            f"{str(adapter_dir)!r} was trained with trainer.lora={saved}; resume it with the "
             f"same settings (now {settings.as_dict()})"
         )
     device = next(model.parameters()).device
-    result = model.load_state_dict(load_file(str(base_path), device=str(device)), strict=False)
-    if set(result.missing_keys) - tied or result.unexpected_keys:
-        raise LoraError(
-            f"{base_path} does not fit this model (missing {sorted(result.missing_keys)[:3]}, "
-            f"unexpected {sorted(result.unexpected_keys)[:3]})"
-        )
-    peft_model = apply_lora(model, settings)
-    adapter = load_file(str(adapter_path), device=str(device))
-    state = peft_model.get_base_model().state_dict()
-    unknown = sorted(set(adapter) - set(state))
-    if unknown:
-        raise LoraError(f"{adapter_path} holds tensors the adapter lacks: {unknown[:3]}")
-    with torch.no_grad():
-        for key, value in adapter.items():
-            state[key].copy_(value)
+    tensors = load_file(str(adapter_dir / ADAPTER_WEIGHTS_FILE), device=str(device))
+    result = set_peft_model_state_dict(peft_model, tensors, adapter_name=ADAPTER)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise LoraError(f"{adapter_dir} holds tensors the adapter lacks: {unexpected[:3]}")
     return peft_model

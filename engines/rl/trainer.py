@@ -39,7 +39,7 @@ from sluice.engines.rl.batching import (
     pack_sequences,
     register_packed_attention,
 )
-from sluice.engines.rl.lora import LoraSettings, load_parts, save_merged, save_parts
+from sluice.engines.rl.lora import LoraSettings, load_adapter, save_adapter
 from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
@@ -50,6 +50,7 @@ from sluice.engines.rl.train_batch import (  # noqa: F401  (TrainingSample: impo
     make_batch,
 )
 from sluice.engines.rl.trainer_files import (
+    ADAPTER_DIR,
     OPTIMIZER_FILE,
     RNG_STATE_FILE,
     TRAINER_STATE_FILE,
@@ -91,8 +92,8 @@ class PolicyTrainer:
         self._tokenizer_files = read_tokenizer_files(model_dir)
         # Varlen attention over packed rows: Σ l² instead of T², no cross-sequence leakage.
         self.model.set_attn_implementation(register_packed_attention())
-        if self.lora is not None:  # adapters only; resumed exactly from the trainer state
-            self.model = load_parts(self.model, Path(model_dir), self.lora)
+        if self.lora is not None:  # adapters only, on the base; a resume loads its adapter
+            self.model = load_adapter(self.model, Path(model_dir) / ADAPTER_DIR, self.lora)
         self.model.train()
         self.optimizer = self._make_optimizer()
         self.steps_done = 0
@@ -410,7 +411,8 @@ class PolicyTrainer:
         state = out if state_dir is None else Path(state_dir)
         if state != out:  # every rank's optimizer shard is on disk by now
             move_trainer_state(out, state)
-        write_tokenizer_files(self._tokenizer_files, self.tokenizer, out)
+        if self.lora is None:  # an adapter version reads the tokenizer of its base
+            write_tokenizer_files(self._tokenizer_files, self.tokenizer, out)
         if include_optimizer:
             torch.save(self._generator.get_state(), state / RNG_STATE_FILE)
         saved = {**self._saved_state(), **(extra or {})}
@@ -426,10 +428,8 @@ class PolicyTrainer:
 
     def _save_weights_and_optimizer(self, out: Path, include_optimizer: bool) -> bool:
         """Write the HF weights (and optimizer state); False if another process writes the rest."""
-        if self.lora is not None:  # merged weights to serve; base and adapter to resume
-            save_merged(self.model, out)
-            if include_optimizer:
-                save_parts(self.model, out, self.lora)
+        if self.lora is not None:  # the adapter alone: its base is version 0
+            save_adapter(self.model, out)
         else:
             self.model.save_pretrained(out, safe_serialization=True)
         if include_optimizer:

@@ -16,8 +16,10 @@ from typing import Any
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 RNG_STATE_FILE = "trainer_rng.pt"
-LORA_STATE_FILES = ("lora_base.safetensors", "lora_adapter.safetensors")
-"""A LoRA trainer's base weights and adapter (engines/rl/lora.py)."""
+ADAPTER_DIR = "adapter"
+"""Where a resuming LoRA trainer finds its adapter, inside the directory holding the base:
+apart, because transformers would take an ``adapter_config.json`` beside ``config.json``
+for a model to download."""
 
 
 TOKENIZER_FILES = (
@@ -64,7 +66,7 @@ def is_trainer_state_file(name: str) -> bool:
     base = name.rsplit("/", 1)[-1]
     stem = OPTIMIZER_FILE.removesuffix(".pt")
     optimizer = base == OPTIMIZER_FILE or (base.startswith(f"{stem}.") and base.endswith(".pt"))
-    return optimizer or base in (RNG_STATE_FILE, TRAINER_STATE_FILE, *LORA_STATE_FILES)
+    return optimizer or base in (RNG_STATE_FILE, TRAINER_STATE_FILE)
 
 
 def move_trainer_state(saved: Path, state_dir: Path) -> None:

@@ -104,6 +104,9 @@ class InferenceClient:
         )
         self._in_flight = dict.fromkeys(urls, 0)
         self._cursor = itertools.count()
+        self.adapter: int | None = None
+        """The policy version of the LoRA adapter requests are served with (named in
+        each request's ``lora_path``), or None for the base weights; see `use_adapter`."""
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -204,6 +207,7 @@ class InferenceClient:
         )
         if rid is not None:
             body["rid"] = rid
+        adapter = self._name_adapter(body)
         url = self._pick_server()
         self._in_flight[url] += 1
         try:
@@ -212,7 +216,7 @@ class InferenceClient:
             self._in_flight[url] -= 1
         if isinstance(payload, list) and len(payload) == 1:
             payload = payload[0]
-        return self._parse_generate(url, payload, return_logprob)
+        return self._parse_generate(url, payload, return_logprob, adapter)
 
     async def generate_group(
         self,
@@ -234,6 +238,7 @@ class InferenceClient:
             sampling_params={**(sampling_params or {}), "n": n},
             return_logprob=return_logprob,
         )
+        adapter = self._name_adapter(body)
         url = self._pick_server()
         self._in_flight[url] += n
         try:
@@ -248,7 +253,14 @@ class InferenceClient:
                 f"inference server {url} answered a request for {n} samples with "
                 f"{len(payload) if isinstance(payload, list) else 'a non-list'} responses",
             )
-        return [self._parse_generate(url, item, return_logprob) for item in payload]
+        return [self._parse_generate(url, item, return_logprob, adapter) for item in payload]
+
+    def _name_adapter(self, body: protocol.GenerateBody) -> int | None:
+        """Name the adapter in use in `body`; its version (None: the base weights)."""
+        adapter = self.adapter
+        if adapter is not None:
+            body["lora_path"] = protocol.version_label(adapter)
+        return adapter
 
     def _version(self, url: str, label: Any) -> int:
         if isinstance(label, str) and label.strip() == protocol.DEFAULT_VERSION_LABEL:
@@ -261,13 +273,22 @@ class InferenceClient:
             )
         return version
 
-    def _parse_generate(self, url: str, payload: Any, return_logprob: bool) -> GenerateResponse:
+    def _parse_generate(
+        self, url: str, payload: Any, return_logprob: bool, adapter: int | None = None
+    ) -> GenerateResponse:
+        def version_of(label: Any) -> int:
+            # SGLang reports its base weights' label for tokens an adapter produced;
+            # Sluice's server reports the adapter's version (or a newer one that
+            # replaced it in flight). Either way no token is older than its adapter.
+            version = self._version(url, label)
+            return version if adapter is None else max(version, adapter)
+
         try:
             return protocol.decode_generate_response(
                 payload,
                 return_logprob=return_logprob,
                 server_url=url,
-                version_of=lambda label: self._version(url, label),
+                version_of=version_of,
             )
         except protocol.ResponseSchemaError as exc:
             raise InferenceServerError(
@@ -316,6 +337,37 @@ class InferenceClient:
                 )
             paused[url] = int(answer.get("num_paused_requests", 0))
         return paused
+
+    async def load_lora_adapter(
+        self, path: str, version: int, *, urls: Sequence[str] | None = None
+    ) -> None:
+        """Load the LoRA adapter directory `path` (visible to every server) as policy
+        `version` on every server, or on `urls` only (SGLang's ``/load_lora_adapter``).
+        Requests go on naming the adapter in use until `use_adapter` switches them."""
+        body = protocol.LoadLoraAdapterBody(
+            lora_name=protocol.version_label(int(version)), lora_path=str(path)
+        )
+        answers = await self._broadcast("POST", protocol.LOAD_LORA_ADAPTER, body, urls)
+        for url, answer in answers.items():
+            if not isinstance(answer, dict) or not answer.get("success"):
+                raise InferenceServerError(
+                    url,
+                    f"inference server {url} failed to load adapter {path}: "
+                    f"{protocol.error_message(answer)}",
+                )
+
+    async def unload_lora_adapter(self, version: int, *, urls: Sequence[str] | None = None) -> None:
+        """Unload adapter `version` from every server (or `urls`); one not loaded is fine."""
+        body = protocol.UnloadLoraAdapterBody(lora_name=protocol.version_label(int(version)))
+        try:
+            await self._broadcast("POST", protocol.UNLOAD_LORA_ADAPTER, body, urls)
+        except InferenceServerError as exc:
+            if exc.status_code != 400:  # 400: that server did not hold it
+                raise
+
+    def use_adapter(self, version: int | None) -> None:
+        """Serve every request sent from now on with adapter `version` (None: the base)."""
+        self.adapter = version
 
     async def health(self) -> dict[str, bool]:
         """Whether each server answers ``/health`` with 2xx."""

@@ -17,6 +17,9 @@ decodes with them.
   /continue_generation``, ``POST /update_weights_from_disk``, ``POST
   /abort_request``, ``GET /model_info``, ``GET /server_info``, ``GET /health``,
   ``GET /get_weight_version``.
+- LoRA: ``POST /load_lora_adapter`` (``lora_name``, ``lora_path``), ``POST
+  /unload_lora_adapter``, and ``lora_path`` on ``/generate`` naming the adapter a
+  request is served with.
 
 SGLang labels weight versions with strings; Sluice's are integer policy versions
 sent as decimal strings. A server started without ``--weight-version`` reports
@@ -45,6 +48,8 @@ SERVER_INFO = "/server_info"
 GET_WEIGHT_VERSION = "/get_weight_version"
 HEALTH = "/health"
 HEALTH_GENERATE = "/health_generate"
+LOAD_LORA_ADAPTER = "/load_lora_adapter"
+UNLOAD_LORA_ADAPTER = "/unload_lora_adapter"
 
 # ------------------------------------------------------------ vocabularies
 
@@ -99,6 +104,7 @@ class GenerateBody(TypedDict, total=False):
     sampling_params: dict[str, Any]
     return_logprob: bool
     rid: str
+    lora_path: str
 
 
 class PauseBody(TypedDict):
@@ -114,6 +120,28 @@ class UpdateWeightsBody(TypedDict, total=False):
     weight_version: str
     abort_all_requests: bool
     load_format: str
+
+
+class LoadLoraAdapterBody(TypedDict):
+    """``POST /load_lora_adapter``: a PEFT adapter directory, named. Sluice names an
+    adapter by the policy version it is (``version_label``)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterBody(TypedDict):
+    """``POST /unload_lora_adapter``."""
+
+    lora_name: str
+
+
+class LoraUpdateAnswer(TypedDict):
+    """The answer to both (SGLang's ``LoRAUpdateOutput``)."""
+
+    success: bool
+    error_message: str | None
+    loaded_adapters: dict[str, str]
 
 
 class UpdateWeightsAnswer(TypedDict):
@@ -332,7 +360,7 @@ def error_message(body: Any) -> str:
             return error
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        for key in ("message", "detail"):
+        for key in ("error_message", "message", "detail"):
             if key in body:
                 return str(body[key])
     return str(body)[:500]

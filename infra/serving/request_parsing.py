@@ -10,11 +10,15 @@ them off, so a request never silently means something else here than on SGLang.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from fastapi import Request
 from sluice.infra.serving.protocol import (
     SGLANG_SAMPLING_KEYS,
     contract_error_body,
@@ -52,7 +56,6 @@ _NEUTRAL_REQUEST_VALUES: dict[str, tuple[Any, ...]] = {
     "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None,),
     "return_hidden_states": (None, False),
-    "lora_path": (None,),
     "image_data": (None,),
     "video_data": (None,),
     "audio_data": (None,),
@@ -297,3 +300,16 @@ def expand_samples(
             )
             expanded.append((request, item, display))
     return expanded
+
+
+async def json_body(request: Request, *, allow_empty: bool) -> Any:
+    """A request's JSON body (`{}` for an empty one when `allow_empty`); 400 if it is none."""
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise BadRequestError("the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"the request body is not valid JSON: {exc}") from exc

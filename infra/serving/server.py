@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -34,9 +33,11 @@ from fastapi.responses import JSONResponse, Response
 from sluice.engines.inference.types import EngineShutdownError, PauseMode, WeightLoadError
 from sluice.infra.process_stats import peak_rss_mb
 from sluice.infra.serving import protocol
+from sluice.infra.serving.adapters import add_adapter_routes, check_adapter_names
 from sluice.infra.serving.request_parsing import (
     BadRequestError,
     expand_samples,
+    json_body,
     parse_generate_body,
     parse_update_version,
 )
@@ -53,18 +54,8 @@ class _ServerState:
     served_model_name: str
     tokenizer_path: str
     rid_to_engine_ids: dict[str, list[str]] = field(default_factory=dict)
-
-
-async def _json_body(request: Request, *, allow_empty: bool) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequestError("the request body is empty; expected a JSON object")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"the request body is not valid JSON: {exc}") from exc
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters loaded (name -> directory; infra/serving/adapters.py)."""
 
 
 def create_app(
@@ -112,7 +103,7 @@ def create_app(
 
     @app.api_route(protocol.GENERATE, methods=["POST", "PUT"])
     async def generate(request: Request) -> JSONResponse:
-        body = await _json_body(request, allow_empty=False)
+        body = check_adapter_names(await json_body(request, allow_empty=False), state.adapters)
         items, n, as_list = parse_generate_body(body, state.tokenizer)
         expanded = expand_samples(items, n)
         # Validate everything before queueing anything: a bad prompt in a
@@ -156,7 +147,7 @@ def create_app(
 
     @app.post(protocol.PAUSE_GENERATION)
     async def pause_generation(request: Request) -> JSONResponse:
-        body = await _json_body(request, allow_empty=True)
+        body = await json_body(request, allow_empty=True)
         if not isinstance(body, dict):
             raise BadRequestError("the /pause_generation body must be a JSON object", contract=True)
         mode = body.get("mode", PauseMode.ABORT.value)
@@ -168,13 +159,13 @@ def create_app(
 
     @app.post(protocol.CONTINUE_GENERATION)
     async def continue_generation(request: Request) -> JSONResponse:
-        await _json_body(request, allow_empty=True)
+        await json_body(request, allow_empty=True)
         await asyncio.to_thread(engine.continue_generation)
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post(protocol.UPDATE_WEIGHTS_FROM_DISK)
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        body = await _json_body(request, allow_empty=False)
+        body = await json_body(request, allow_empty=False)
         if not isinstance(body, dict):
             raise BadRequestError(
                 "the /update_weights_from_disk body must be a JSON object", contract=True
@@ -211,7 +202,7 @@ def create_app(
 
     @app.post(protocol.ABORT_REQUEST)
     async def abort_request(request: Request) -> JSONResponse:
-        body = await _json_body(request, allow_empty=False)
+        body = await json_body(request, allow_empty=False)
         if not isinstance(body, dict):
             raise BadRequestError("the /abort_request body must be a JSON object", contract=True)
         if body.get("abort_all"):
@@ -277,6 +268,8 @@ def create_app(
     @app.get(protocol.GET_WEIGHT_VERSION)
     async def get_weight_version() -> JSONResponse:
         return JSONResponse({"weight_version": protocol.version_label(engine.weight_version)})
+
+    add_adapter_routes(app, engine, state.adapters)
 
     @app.get(protocol.HEALTH)
     @app.get(protocol.HEALTH_GENERATE)

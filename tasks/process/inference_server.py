@@ -59,6 +59,8 @@ def server_spec(
         num_threads=None if gpus else role_threads(config, "rollout"),
         extra_args=tuple(launch.extra_args),
         host=host,
+        lora_rank=config.trainer.lora.rank,
+        lora_target_modules=tuple(config.trainer.lora.target_modules),
     )
 
 

@@ -44,7 +44,7 @@ from sluice.tasks.process.inference_server import (
 )
 from sluice.tasks.process.ray_ranks import NAMESPACE, RAY_ADDRESS_ENV, node_address
 from sluice.tasks.run.paths import read_json, run_paths
-from sluice.tasks.run.versions import fetch_policy
+from sluice.tasks.run.versions import fetch_update
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ServerActor:
     def prefetch(self, version_json: dict[str, Any]) -> str:
         """`version`'s weights on this node (fetched once; the newest two are kept)."""
         version = CommittedVersion.model_validate(version_json)
-        return str(fetch_policy(self.config, version, self.cache_dir, keep_latest=2).resolve())
+        return str(fetch_update(self.config, version, self.cache_dir, keep_latest=2).resolve())
 
     def start(self, version_json: dict[str, Any]) -> str:
         """Start the server on `version` and wait until it answers; its URL."""

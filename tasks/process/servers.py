@@ -30,7 +30,7 @@ from sluice.tasks.process.inference_server import (
 from sluice.tasks.process.ray_servers import RayServers
 from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import run_paths, run_registry
-from sluice.tasks.run.versions import fetch_policy
+from sluice.tasks.run.versions import fetch_policy, serving_start
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def run_servers(
 ) -> dict[str, Any]:
     """Start the containers, keep them alive until the run stops, remove them."""
     logger = get_run_logger()
-    start = run_registry(config, run_id).latest()
+    start = serving_start(config, run_registry(config, run_id))
     if start is None:
         raise RuntimeError(f"run {run_id} has no committed policy version to serve")
     local = Path(config.workdir) / "runs" / run_id
@@ -130,12 +130,12 @@ def run_ray_servers(
     the nodes read."""
     logger = get_run_logger()
     registry = run_registry(config, run_id)
-    start = registry.latest()
+    start = serving_start(config, registry)
     if start is None:
         raise RuntimeError(f"run {run_id} has no committed policy version to serve")
 
     def newest() -> Any:
-        return registry.latest() or start
+        return serving_start(config, registry) or start
 
     servers = RayServers(config, run_id)
     control = control or RunControl(config, run_paths(config, run_id))

@@ -11,6 +11,7 @@ would leave ~240 GB. After each commit the trainer's background thread keeps
   version scored (the evaluate role never goes back to an older one);
 - the policy of the version the run (re)started from (the control document `start.json`):
   a launched server container that dies is restarted on it, then brought forward;
+- version 0 of a LoRA run: the base every later version's adapter applies to;
 - the trainer state of the newest committed version only (a resume reads no other);
 - every version's consumed list (a few KB: the run's exactly-once record).
 
@@ -104,7 +105,9 @@ class Retention:
             committed,
             self.config.storage.keep_versions,
             aliased,
-            awaiting_evaluation(committed, self.config) | self._start_version(),
+            awaiting_evaluation(committed, self.config)
+            | self._start_version()
+            | ({0} if self.config.trainer.lora.rank else set()),  # the base of every adapter
         )
         options = self.config.storage.options
         ours = canonical_url(self.paths.checkpoints, options).rstrip("/") + "/"

@@ -13,6 +13,14 @@ A version is published as two checkpoints and one list (``RunPaths``):
 - ``checkpoints/consumed/vNNNNNN.json``: the scored shards the version trained on, the
   run's exactly-once record (a few KB; kept for every version).
 
+A LoRA run (``trainer.lora``) publishes every version after 0 as its adapter alone
+(``sluice.engines.policy.adapter``: PEFT's files, megabytes) with a reference to its base,
+version 0, by URL and digest; version 0 is the base, the model with an empty adapter. A
+reader that needs a whole model (evaluation, an export) gets base and adapter merged
+(``fetch_policy``); a running server gets the adapter itself (``fetch_update``) and
+applies it to the base it was started on. An adapter whose base digest is not the one a
+reader holds is refused in one line. Retention never deletes the base of a LoRA run.
+
 All three are durable before the version is committed (``TrainingRole.commit_version``),
 so a trainer resuming from the newest committed version always finds its state. A
 version published before the trainer state moved out carries it in the policy
@@ -22,12 +30,25 @@ directory; such a run still resumes, and its readers skip those files.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from sluice.engines.policy.adapter import (
+    BASE_REFERENCE_FILE,
+    AdapterError,
+    is_adapter_dir,
+    merge_adapter_dir,
+)
 from sluice.engines.rl.trainer import PolicyTrainer
-from sluice.engines.rl.trainer_files import TRAINER_STATE_FILE, is_trainer_state_file
+from sluice.engines.rl.trainer_files import (
+    ADAPTER_DIR,
+    TRAINER_STATE_FILE,
+    is_trainer_state_file,
+)
 from sluice.infra.checkpoint_cache import fetch_checkpoint
 from sluice.infra.checkpoints import (
     MANIFEST_NAME,
@@ -37,7 +58,7 @@ from sluice.infra.checkpoints import (
 )
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CheckpointRegistry, CommittedVersion
-from sluice.infra.storage import exists, put_atomic
+from sluice.infra.storage import exists, put_atomic, replace_directory, staging_directory
 from sluice.tasks.run.paths import RunPaths, read_json
 
 CONSUMED_FILE = "consumed_shards.json"
@@ -94,10 +115,11 @@ def read_consumed(config: RunConfig, paths: RunPaths, version: CommittedVersion)
     return list(names or [])
 
 
-def fetch_policy(
+def fetch_update(
     config: RunConfig, version: CommittedVersion, cache_dir: Path, keep_latest: int | None = None
 ) -> Path:
-    """`version`'s policy on local disk (the storage path itself for a local URL)."""
+    """What a running server loads to serve `version`: its policy files on local disk
+    (the storage path itself for a local URL), the adapter alone for an adapter version."""
     return fetch_checkpoint(
         version.checkpoint_uri,
         cache_dir,
@@ -105,6 +127,109 @@ def fetch_policy(
         keep_latest=keep_latest,
         select=is_policy_file,
     )
+
+
+def fetch_policy(
+    config: RunConfig, version: CommittedVersion, cache_dir: Path, keep_latest: int | None = None
+) -> Path:
+    """`version` as a whole model on local disk: its own directory, or for an adapter
+    version its base and adapter merged (`keep_latest` merged copies are kept)."""
+    return fetch_model_uri(config, version.checkpoint_uri, cache_dir, keep_latest)
+
+
+def fetch_model_uri(
+    config: RunConfig, uri: str, cache_dir: Path, keep_latest: int | None = None
+) -> Path:
+    """`fetch_policy` for a checkpoint URI (a version the registry may not know)."""
+    local = fetch_checkpoint(
+        uri,
+        cache_dir,
+        storage_options=config.storage.options,
+        keep_latest=keep_latest,
+        select=is_policy_file,
+    )
+    if not is_adapter_dir(local):
+        return local
+    base = fetch_base(config, local, cache_dir / "base")
+    digest = read_manifest(uri, config.storage.options).digest
+    merged_root = cache_dir / "merged"
+    merged = merged_root / digest[:24]
+    if not (merged / "model.safetensors").is_file():
+        with staging_directory(merged) as staging:
+            merge_adapter_dir(base, local, staging)
+            replace_directory(staging, merged)
+    now_ns = time.time_ns()
+    os.utime(merged, ns=(now_ns, now_ns))
+    if keep_latest is not None:
+        copies = [p for p in merged_root.iterdir() if not p.name.startswith(".")]
+        copies.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in copies[keep_latest:]:
+            shutil.rmtree(old, ignore_errors=True)
+    return merged
+
+
+def read_base_reference(adapter_dir: Path) -> dict[str, Any]:
+    """The base an adapter version was trained on: ``base_uri``, ``base_digest``,
+    ``base_version`` (AdapterError when the adapter names none)."""
+    path = adapter_dir / BASE_REFERENCE_FILE
+    try:
+        reference = json.loads(path.read_text())
+        str(reference["base_uri"]), str(reference["base_digest"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AdapterError(f"adapter {str(adapter_dir)!r} names no base ({path}: {exc})") from exc
+    return dict(reference)
+
+
+def check_base(
+    reference: dict[str, Any], base_digest: str, adapter: str, holder: str
+) -> dict[str, Any]:
+    """Refuse, in one line, an `adapter` whose `reference` names another base than
+    `base_digest`, the digest of `holder` ("the base the servers were started on")."""
+    if reference.get("base_digest") != base_digest:
+        raise AdapterError(
+            f"{adapter} was trained on base {str(reference.get('base_digest'))[:12]} "
+            f"({reference.get('base_uri')}), not on {holder} ({base_digest[:12]}); an "
+            "adapter applies only to the base it was trained on"
+        )
+    return reference
+
+
+def fetch_base(config: RunConfig, adapter_dir: Path, cache_dir: Path) -> Path:
+    """The base model `adapter_dir` names, on local disk (one copy kept), checked
+    against the digest the adapter records."""
+    reference = read_base_reference(adapter_dir)
+    manifest = read_manifest(reference["base_uri"], config.storage.options)
+    check_base(reference, manifest.digest, f"adapter {str(adapter_dir)!r}", "what that URL holds")
+    return fetch_checkpoint(
+        reference["base_uri"],
+        cache_dir,
+        storage_options=config.storage.options,
+        keep_latest=1,
+        select=is_policy_file,
+    )
+
+
+def base_reference(config: RunConfig, registry: CheckpointRegistry) -> dict[str, Any]:
+    """The reference an adapter version records: version 0, the run's base."""
+    base = registry.get(0)
+    if base is None or base.deleted:
+        raise CheckpointIncomplete(
+            "a LoRA run's versions are adapters on version 0, and version 0 is gone"
+        )
+    digest = read_manifest(base.checkpoint_uri, config.storage.options).digest
+    return {"base_version": 0, "base_uri": base.checkpoint_uri, "base_digest": digest}
+
+
+def write_base_reference(policy_dir: Path, reference: dict[str, Any]) -> None:
+    (policy_dir / BASE_REFERENCE_FILE).write_text(json.dumps(reference, indent=2))
+
+
+def serving_start(config: RunConfig, registry: CheckpointRegistry) -> CommittedVersion | None:
+    """The version servers start on: the newest, or for a LoRA run its base (version 0),
+    which every later version's adapter is applied to."""
+    if config.trainer.lora.rank:
+        return registry.get(0)
+    return registry.latest()
 
 
 def fetch_tokenizer(config: RunConfig, version: CommittedVersion, cache_dir: Path) -> Path:
@@ -131,9 +256,14 @@ def fetch_training_dir(
     fs, state_path = open_checkpoint_fs(state_url, options)
     # One copy per cache: a restart needs the newest version only.
     if exists(fs, f"{state_path}/{MANIFEST_NAME}"):
-        policy = fetch_policy(config, version, local_root / "init", keep_latest=1)
+        policy = fetch_update(config, version, local_root / "init", keep_latest=1)
         state = fetch_checkpoint(state_url, local_root / "init-state", options, keep_latest=1)
-        return _side_by_side(policy, state, local_root / "resume")
+        if not is_adapter_dir(policy):
+            return _side_by_side([(policy, "."), (state, ".")], local_root / "resume")
+        # A LoRA trainer: the base, its state, and the adapter apart (trainer_files.ADAPTER_DIR).
+        base = fetch_base(config, policy, local_root / "base")
+        parts = [(base, "."), (state, "."), (policy, ADAPTER_DIR)]
+        return _side_by_side(parts, local_root / "resume")
     names = {entry.name for entry in read_manifest(version.checkpoint_uri, options).files}
     if TRAINER_STATE_FILE in names or version.policy_version == 0:
         # Version 0 starts a fresh optimizer; an old version carries its state inside.
@@ -144,15 +274,16 @@ def fetch_training_dir(
     )
 
 
-def _side_by_side(policy: Path, state: Path, into: Path) -> Path:
-    """`into` made a directory of links to every file of `policy` and `state`."""
+def _side_by_side(sources: list[tuple[Path, str]], into: Path) -> Path:
+    """`into` made a directory of links to every file of each source directory, under
+    the subfolder named beside it ("." for `into` itself)."""
     if into.exists():
         shutil.rmtree(into)
     into.mkdir(parents=True)
-    for source in (policy, state):
+    for source, under in sources:
         for path in source.rglob("*"):
             if path.is_file() and path.name != MANIFEST_NAME:
-                link = into / path.relative_to(source)
+                link = into / under / path.relative_to(source)
                 link.parent.mkdir(parents=True, exist_ok=True)
                 link.symlink_to(path.resolve())
     return into

@@ -11,7 +11,7 @@ is measured, and costs ~40 s here) and ``TrainRole.publish`` runs (local save, t
 upload and registry commit on the background thread, retention after it on the new
 side), while a rollout thread polls
 the registry as the rollout role does (``rollout.poll_interval_s``), fetches with
-``RolloutRole.fetch`` and loads the weights into an ``InferenceEngine``. Per version:
+the rollout role's fetch and loads the weights into an ``InferenceEngine``. Per version:
 
 - bytes written: every object the version put on storage (its checkpoint, and on the
   new side its trainer state and consumed list);
@@ -149,16 +149,27 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def rollout_fetch(config: Any, cache_dir: Path) -> Any:
+    """The rollout role's fetch of a version, in this tree or an older one."""
+    try:
+        from sluice.tasks.rollout_weights import ServedWeights
+    except ImportError:  # a tree from before the role's weight handling had a module
+        from types import SimpleNamespace
+
+        from sluice.tasks.rollout import RolloutRole
+
+        rollout = SimpleNamespace(config=config, cache_dir=cache_dir)
+        return lambda version: RolloutRole.fetch(rollout, version)  # type: ignore[arg-type]
+    return ServedWeights(config, cache_dir).fetch
+
+
 def publish_and_serve(
     config: Any, storage: str, versions: int, trainer: Any, engine: Any,
     counter: Counter, next_weights: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """Version 0, then `versions` published versions while a rollout thread serves them."""
-    from types import SimpleNamespace
-
     from sluice.infra.storage import open_filesystem
     from sluice.infra.tracking import start_or_resume_run
-    from sluice.tasks.rollout import RolloutRole
     from sluice.tasks.run.paths import run_registry
     from sluice.tasks.run.prepare import ensure_version_zero
     from sluice.tasks.train import TrainRole
@@ -167,7 +178,7 @@ def publish_and_serve(
     mlflow_run_id = start_or_resume_run(config.tracking.uri, "bench-publish", run_name=run_id)
     ensure_version_zero(config, run_id, mlflow_run_id)
     role = TrainRole(config, run_id, mlflow_run_id)
-    rollout = SimpleNamespace(config=config, cache_dir=Path(config.workdir) / "rollout-weights")
+    fetch = rollout_fetch(config, Path(config.workdir) / "rollout-weights")
     store = Path(config.storage.url.removeprefix("file://"))
     served: dict[int, dict[str, float]] = {}
     stop = threading.Event()
@@ -180,7 +191,7 @@ def publish_and_serve(
             if latest is not None and latest.policy_version > current:
                 counter.on, counter.remote_bytes, counter.opened = True, 0, set()
                 t0 = time.time()
-                local = RolloutRole.fetch(rollout, latest)  # type: ignore[arg-type]
+                local = fetch(latest)
                 t1 = time.time()
                 engine.update_weights_from_disk(local, latest.policy_version)
                 done = time.time()

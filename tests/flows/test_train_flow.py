@@ -1,6 +1,9 @@
 """A short real `train` flow under the Prefect harness: roles in processes, real MLflow,
 real Arrow shards on disk. Checks what a user would look at afterwards."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from sluice.infra.checkpoints import read_manifest
@@ -71,7 +74,12 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
 
     first = load_config(
         "default",
-        tiny_run_overrides(tmp_path, **{"trainer.total_steps": 2, "trainer.lora.rank": lora_rank}),
+        tiny_run_overrides(
+            tmp_path,
+            **{"trainer.total_steps": 2, "trainer.lora.rank": lora_rank},
+            # A LoRA run keeps its base, version 0, whatever retention lets go.
+            **({"storage.keep_versions": 2} if lora_rank else {}),
+        ),
     )
     done = train(first, run_id="resumed")
     assert done["final_policy_version"] == 2
@@ -94,15 +102,24 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
     trainer = StreamReader(longer.storage.url, "resumed", "scored", consumer="trainer")
     assert len(trainer.acked()) == 4 * longer.trainer.prompts_per_batch
 
-    # A LoRA run publishes plain merged weights; the adapter and its base are trainer
-    # state (what the resumed trainer went on from).
+    # A LoRA run publishes each version after 0 as its adapter, naming version 0 (kept
+    # by retention) as its base; the resumed trainer went on from base + adapter.
     newest = registry.latest()
-    assert newest is not None
+    base = registry.get(0)
+    assert newest is not None and base is not None
     published = {f.name for f in read_manifest(newest.checkpoint_uri).files}
     state = {f.name for f in read_manifest(run_paths(longer, "resumed").trainer_state(4)).files}
-    lora_files = {"lora_base.safetensors", "lora_adapter.safetensors"}
-    assert not published & lora_files and "config.json" in published
-    assert (lora_files <= state) == bool(lora_rank)
+    assert "optimizer.pt" in state and not {"adapter_config.json", "config.json"} & state
+    if not lora_rank:
+        assert "config.json" in published and "adapter_config.json" not in published
+        return
+    assert not base.deleted and [v.policy_version for v in registry.versions() if v.deleted]
+    assert published == {"adapter_config.json", "adapter_model.safetensors", "sluice_adapter.json"}
+    where = Path(newest.checkpoint_uri.removeprefix("file://"), "sluice_adapter.json")
+    reference = json.loads(where.read_text())
+    assert reference["base_digest"] == read_manifest(base.checkpoint_uri).digest
+    adapter_bytes = read_manifest(newest.checkpoint_uri).total_bytes
+    assert adapter_bytes < read_manifest(base.checkpoint_uri).total_bytes / 5
 
 
 def test_resume_of_a_finished_run_says_what_to_raise(prefect_api, tmp_path):

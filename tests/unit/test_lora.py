@@ -1,5 +1,6 @@
-"""LoRA on the torch trainer (`trainer.lora`): only the adapters train, a version is
-the merged weights (served as any other), and a resumed trainer is the one that saved."""
+"""LoRA on the torch trainer (`trainer.lora`): only the adapters train, a version is the
+adapter alone (PEFT's files), merged it is the model the trainer holds, and a trainer
+resumed from the base and the adapter is the one that saved."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from sluice.engines.policy.adapter import merge_adapter_dir, read_adapter
 from sluice.engines.policy.model import load_policy_dir
 from sluice.engines.rl.lora import LoraError, LoraSettings
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
-from sluice.engines.rl.trainer_files import move_trainer_state
+from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from tests.unit.synthetic import SHIPPED, random_samples
 
 SETTINGS = TrainerSettings(ppo_minibatches=2, max_tokens_per_micro_batch=200, lr=1e-2)
@@ -70,24 +72,41 @@ def test_only_the_adapters_train_and_enter_the_optimizer() -> None:
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
-def test_a_version_is_the_merged_weights_and_loads_as_a_plain_model(tmp_path: Path) -> None:
+def resume_dir(base: Path, policy: Path, state: Path, into: Path) -> Path:
+    """What a resuming LoRA trainer is given (tasks/run/versions.py): the base and the
+    trainer state side by side, the adapter version in `ADAPTER_DIR`."""
+    into.mkdir()
+    for source in (base, state):
+        for path in source.iterdir():
+            (into / path.name).symlink_to(path.resolve())
+    (into / ADAPTER_DIR).symlink_to(policy.resolve())
+    return into
+
+
+def test_a_version_is_the_adapter_alone_and_merges_into_a_plain_model(tmp_path: Path) -> None:
     lora = trainer()
     for step in range(2):
         lora.train_step(samples(step))
     out = lora.save(tmp_path / "v2", state_dir=tmp_path / "state")
-    assert not (out / "adapter_config.json").exists()  # a plain HF directory
-    plain, _ = load_policy_dir(out)
-    # Merged W + (alpha / r) B A against the adapter applied at run time.
+    # PEFT's two files, nothing of the base (no config.json, weights or tokenizer).
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (tmp_path / "state").iterdir()} == {
+        "optimizer.pt",
+        "trainer_rng.pt",
+        "trainer_state.json",
+    }
+    adapter = read_adapter(out)
+    assert adapter.scale == LORA.alpha / LORA.rank
+    plain, _ = load_policy_dir(merge_adapter_dir(SHIPPED, out, tmp_path / "merged"))
+    # Merged W + (alpha / r) B A against the adapter applied at run time, in float32.
     torch.testing.assert_close(logits(plain), logits(lora.model), rtol=1e-5, atol=1e-5)
-    names = {p.name for p in (tmp_path / "state").iterdir()}
-    assert {"lora_base.safetensors", "lora_adapter.safetensors", "optimizer.pt"} <= names
 
 
 def test_a_resumed_trainer_goes_on_exactly_as_the_one_that_saved(tmp_path: Path) -> None:
     first = trainer()
     first.train_step(samples(0))
-    out = first.save(tmp_path / "v1")  # trainer state beside the weights, as a resume sees it
-    resumed = trainer(out)
+    out = first.save(tmp_path / "v1", state_dir=tmp_path / "state")
+    resumed = trainer(resume_dir(SHIPPED, out, tmp_path / "state", tmp_path / "resume"))
     torch.testing.assert_close(logits(resumed.model), logits(first.model), rtol=0, atol=0)
     a, b = first.train_step(samples(1)), resumed.train_step(samples(1))
     assert a["loss/policy_loss"] == b["loss/policy_loss"]
@@ -99,11 +118,10 @@ def test_a_resumed_trainer_goes_on_exactly_as_the_one_that_saved(tmp_path: Path)
 
 
 def test_a_resume_under_other_lora_settings_is_refused(tmp_path: Path) -> None:
-    first = trainer()
-    out = first.save(tmp_path / "v0", state_dir=tmp_path / "state")
-    move_trainer_state(tmp_path / "state", out)
+    out = trainer().save(tmp_path / "v1", state_dir=tmp_path / "state")
+    where = resume_dir(SHIPPED, out, tmp_path / "state", tmp_path / "resume")
     with pytest.raises(LoraError, match="resume it with the same settings"):
-        trainer(out, LoraSettings(rank=8, alpha=8))
+        trainer(where, LoraSettings(rank=8, alpha=8))
 
 
 def test_target_modules_the_model_lacks_and_a_rank_too_large_are_refused() -> None:

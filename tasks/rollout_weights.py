@@ -1,0 +1,107 @@
+"""How the rollout role moves its inference servers to a committed version.
+
+Fetch first, while generation goes on (`stage`): one local copy every server reads, or
+with Ray server actors a copy on each actor's node. Then `load`: a full version through
+``/update_weights_from_disk``; a LoRA run's adapter version through SGLang's LoRA API
+(``/load_lora_adapter``, then every request names it in ``lora_path``), which Sluice's
+server speaks too. A LoRA run's servers start on its base (version 0), and an adapter is
+loaded only once its recorded base digest is the one they were started on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sluice.engines.policy.adapter import BASE_REFERENCE_FILE
+from sluice.infra.checkpoints import read_manifest
+from sluice.infra.config import RunConfig
+from sluice.infra.registry import CommittedVersion
+from sluice.infra.serving.client import InferenceClient, InferenceServerUnreachableError
+from sluice.tasks.process.ray_servers import RayServerLost, ServerActors
+from sluice.tasks.run.paths import read_json
+from sluice.tasks.run.versions import check_base, fetch_update
+
+
+class ServedWeights:
+    """Where each version's weights are staged, and how servers load them."""
+
+    def __init__(self, config: RunConfig, cache_dir: Path) -> None:
+        self.config = config
+        self.cache_dir = cache_dir
+        self.actors: ServerActors | None = None  # servers.launch=ray: the server actors
+        self.base_digest: str | None = None
+        """Digest of the version the servers were started on (a LoRA run's base)."""
+        self.adapters: list[int] = []
+        """Adapter versions loaded on every server, oldest first."""
+
+    def is_adapter(self, version: CommittedVersion) -> bool:
+        """Whether `version` is published as an adapter on the base (a LoRA run's v1+)."""
+        return bool(self.config.trainer.lora.rank) and version.policy_version > 0
+
+    def fetch(self, version: CommittedVersion) -> Path:
+        # One digest-keyed cache for every version; keep the served weights and the next.
+        # Absolute: a server in another process or container resolves no relative path.
+        return fetch_update(self.config, version, self.cache_dir, keep_latest=2).resolve()
+
+    def start(self, version: CommittedVersion) -> Path:
+        """`version`, the one the servers start on, on local disk."""
+        self.base_digest = read_manifest(version.checkpoint_uri, self.config.storage.options).digest
+        return self.fetch(version)
+
+    def check(self, version: CommittedVersion) -> None:
+        """Refuse an adapter trained on another base than the servers hold (one line)."""
+        if not self.is_adapter(version) or self.base_digest is None:
+            return
+        where = f"{version.checkpoint_uri}/{BASE_REFERENCE_FILE}"
+        reference = read_json(self.config, where) or {"base_uri": "?", "base_digest": "none"}
+        check_base(
+            reference,
+            self.base_digest,
+            f"policy version {version.policy_version}'s adapter",
+            "the base the inference servers were started on",
+        )
+
+    async def stage(self, version: CommittedVersion) -> dict[str | None, str]:
+        """`version`'s weights where the servers read them: per server URL, a path on
+        that server's node (Ray actors), or one local path for every server (None)."""
+        await asyncio.to_thread(self.check, version)
+        if self.actors is not None:
+            actors = self.actors
+            try:
+                return dict(await asyncio.to_thread(actors.prefetch, version))
+            except RayServerLost as exc:
+                raise InferenceServerUnreachableError(exc.url, str(exc)) from exc
+        return {None: str(await asyncio.to_thread(self.fetch, version))}
+
+    async def load(
+        self,
+        client: InferenceClient,
+        staged: dict[str | None, str],
+        version: CommittedVersion,
+        urls: list[str] | None = None,
+    ) -> None:
+        """Every server of `urls` (all) loads `version` from where `stage` put it."""
+        number, adapter = version.policy_version, self.is_adapter(version)
+        targets = urls if urls is not None else client.base_urls
+        if adapter and urls is None:
+            # SGLang keeps loaded adapters until told: the one in use stays (requests in
+            # flight name it) beside the new one, and older ones go.
+            for old in self.adapters[:-1]:
+                await client.unload_lora_adapter(old)
+            self.adapters = self.adapters[-1:]
+
+        async def one(path: str, where: list[str] | None) -> None:
+            if not adapter:
+                await client.update_weights_from_disk(path, number, urls=where)
+                return
+            await client.unload_lora_adapter(number, urls=where)  # a server that had it
+            await client.load_lora_adapter(path, number, urls=where)
+
+        if None in staged:
+            await one(staged[None], urls)
+        else:
+            await asyncio.gather(*(one(staged[url], [url]) for url in targets))
+        if urls is None:  # every server holds it now: requests go to it
+            self.adapters = [*self.adapters, number] if adapter else []
+            client.use_adapter(number if adapter else None)
