@@ -104,3 +104,19 @@ def test_lora_servers_start_on_the_base(published) -> None:
     full = config.model_copy(update={"trainer": config.trainer.model_copy(deep=True)})
     full.trainer.lora.rank = 0
     assert serving_start(full, Registry()).policy_version == 1  # type: ignore[arg-type]
+
+
+def test_sluice_model_merge_writes_the_model_the_trainer_holds(published, tmp_path, capsys):
+    from sluice.flows.cli import main
+
+    _config, base_uri, adapter_uri, model = published
+    base, adapter = (Path(uri.removeprefix("file://")) for uri in (base_uri, adapter_uri))
+    assert main(["model", "merge", str(base), str(adapter), str(tmp_path / "merged")]) == 0
+    plain, _ = load_policy_dir(tmp_path / "merged")
+    torch.testing.assert_close(logits(plain), logits(model), rtol=1e-5, atol=1e-5)
+    # An adapter in the place of the base: one line, nothing written.
+    capsys.readouterr()
+    assert main(["model", "merge", str(adapter), str(adapter), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a Hugging Face model directory" in err[0]
+    assert not (tmp_path / "x").exists()
