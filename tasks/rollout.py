@@ -158,6 +158,7 @@ class RolloutRole(Role):
             await self.weights.load(client, staged, latest)
         self.stats.update_time_s += time.monotonic() - started
         self.stats.weight_updates += 1
+        self.stats.commit_to_served_s.append(time.time() - latest.created_at_ms / 1000)
         log.info(
             "weights -> policy version %d (%.2fs)",
             latest.policy_version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ class RolloutStats:
     idle_s: float = 0.0
     weight_updates: int = 0
     update_time_s: float = 0.0
+    commit_to_served_s: list[float] = field(default_factory=list)
+    """Per weight update: seconds from the version's commit (its registry time) to every
+    server holding it (the poll's wait, the fetch and the load)."""
     partial_samples: int = 0
     max_version_span: int = 0
     server_recoveries: int = 0
@@ -70,6 +74,11 @@ class RolloutStats:
             "idle_ratio": self.idle_s / elapsed,
             "weight_updates": self.weight_updates,
             "update_time_s": self.update_time_s,
+            "commit_to_served_s_median": (
+                float(statistics.median(self.commit_to_served_s))
+                if self.commit_to_served_s
+                else None
+            ),
             "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
             "max_version_span": self.max_version_span,
             "server_recoveries": self.server_recoveries,

@@ -250,6 +250,15 @@ class InferenceEngine(Scheduler):
                 apply_s=apply_s,
             )
 
+    def load_adapter(self, adapter_dir: str | Path, weight_version: int) -> WeightUpdateReport:
+        """`update_weights_from_disk` for a LoRA adapter directory only (SGLang's
+        ``/load_lora_adapter``); WeightLoadError for anything else."""
+        if not is_adapter_dir(adapter_dir):
+            raise WeightLoadError(
+                f"{str(adapter_dir)!r} holds no LoRA adapter (no adapter_config.json)"
+            )
+        return self.update_weights_from_disk(adapter_dir, weight_version)
+
     def _merge_adapter(self, adapter_dir: str | Path) -> dict[str, torch.Tensor]:
         """The weights a LoRA adapter changes, folded into the base (W + alpha/r · B A).
 

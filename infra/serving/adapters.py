@@ -60,12 +60,8 @@ def add_adapter_routes(app: FastAPI, engine: InferenceEngine, adapters: dict[str
                 f"lora_name {name!r}: Sluice's server names an adapter by the integer "
                 "policy version it is",
             )
-        from sluice.engines.policy.adapter import is_adapter_dir
-
-        if not is_adapter_dir(path):
-            return _answer(adapters, f"{path!r} holds no LoRA adapter (adapter_config.json)")
         try:
-            await asyncio.to_thread(engine.update_weights_from_disk, path, version)
+            await asyncio.to_thread(engine.load_adapter, path, version)
         except (WeightLoadError, ValueError, RuntimeError) as exc:
             return _answer(adapters, str(exc))
         adapters[name] = path
