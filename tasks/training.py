@@ -146,6 +146,7 @@ class TrainingRole(Role):
             if self._base_reference is None:
                 self._base_reference = base_reference(self.config, self.registry)
             write_base_reference(saved.policy, self._base_reference)
+            tags = {**tags, "lora.base_digest": self._base_reference["base_digest"]}
         uri = save_checkpoint(saved.policy, self.paths.checkpoint(version), options, replace=True)
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version

@@ -73,6 +73,8 @@ def plan(config_name: str, model_dir: str, out: str, steps: int, overrides: list
         "loss": t.loss.model_dump(),
         "correction": t.correction.model_dump(),
         "advantage": t.advantage.model_dump(),
+        # trainer.lora (rank > 0): versions are adapters, folded into the engine's base
+        "lora": t.lora.model_dump() if t.lora.rank else None,
         "train": train,
         "held_out": held_out,
     }
@@ -157,6 +159,11 @@ def run(plan_path: str, model: str, seconds: float, eval_every: int, device: str
         if document["loss"].get("decoupled", True)
         else None
     )
+    lora = None
+    if document.get("lora"):  # needs peft where it runs
+        from sluice.engines.rl.lora import LoraSettings
+
+        lora = LoraSettings(**document["lora"])
     trainer = PolicyTrainer(
         model_dir,
         TrainerSettings(**settings),
@@ -164,6 +171,7 @@ def run(plan_path: str, model: str, seconds: float, eval_every: int, device: str
         correction,
         device=device,
         decoupled=document["loss"].get("decoupled", True),
+        lora=lora,
     )
     advantages = make_advantage_fn(**document["advantage"])
     tokenizer = trainer.tokenizer
@@ -240,6 +248,7 @@ def run(plan_path: str, model: str, seconds: float, eval_every: int, device: str
             "generate_s": generate_s,
             "train_s": train_s,
             "load_s": load_s,
+            "version_mb": sum(f.stat().st_size for f in saved.iterdir()) / 1e6,
             "gen_tok_s": generated / generate_s,
             "train_tok_s": trained / train_s if train_s and trained else float("nan"),
             "generate_mib": generate_mib,
@@ -275,6 +284,7 @@ def run(plan_path: str, model: str, seconds: float, eval_every: int, device: str
     skipped = len(rows_of) - len(trained_rows)
     print(f"steps with nothing to train (every group's rewards equal): {skipped}")
     print(f"| save + load weights | {statistics.median(r['load_s'] for r in rows_of):.2f} | | |")
+    print(f"a version: {rows_of[-1]['version_mb']:.1f} MB ({'adapter' if lora else 'model'})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -123,6 +123,7 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
     where = Path(newest.checkpoint_uri.removeprefix("file://"), "sluice_adapter.json")
     reference = json.loads(where.read_text())
     assert reference["base_digest"] == read_manifest(base.checkpoint_uri).digest
+    assert newest.tags["lora.base_digest"] == reference["base_digest"]  # in the MLflow UI
     adapter_bytes = read_manifest(newest.checkpoint_uri).total_bytes
     assert adapter_bytes < read_manifest(base.checkpoint_uri).total_bytes / 5
 
