@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
+from sluice.engines.policy.shipped_policy import SHIPPED_DIR
 from sluice.engines.rl.trainer import TrainingSample
 
-SHIPPED = (
-    Path(__file__).resolve().parents[2]
-    / "engines"
-    / "policy"
-    / "policies"
-    / "longtail_sum-llama-0.9m"
-)
+SHIPPED = SHIPPED_DIR
 """The tiny policy Sluice ships (a 0.9M-parameter Llama, tied embeddings)."""
 
 
