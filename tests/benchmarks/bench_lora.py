@@ -64,6 +64,15 @@ def figures(workdir: Path) -> dict[str, Any]:
         "train_peak_mib": train.get("peak_rss_mb", float("nan")),
         "version_mb": float(np.mean(sizes)) / 1e6 if sizes else float("nan"),
         "commit_to_served_s": rollout.get("commit_to_served_s_median") or float("nan"),
+        # Where a step's seconds went: the trainer's share of the run spent waiting for
+        # batches, the tokens it trained and the servers generated per second, the mean
+        # sample length, and the servers' total seconds spent taking new weights.
+        "train_idle_ratio": train.get("idle_ratio", float("nan")),
+        "trained_tokens_per_s": train.get("trained_tokens_per_s", float("nan")),
+        "generated_tokens_per_s": rollout.get("tokens_per_s", float("nan")),
+        "tokens_per_sample": rollout.get("tokens_generated", 0)
+        / max(1, rollout.get("samples_written", 0)),
+        "weight_update_s": rollout.get("update_time_s", float("nan")),
     }
 
 
