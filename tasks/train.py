@@ -26,23 +26,25 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
+from sluice.engines.rl.watchdog import Firing
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import log_metrics
-from sluice.tasks.role import StopRequested
+from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import SavedVersion, read_consumed, save_version
+from sluice.tasks.train_watchdog import StepWatch, stop_line
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 log = logging.getLogger("sluice.train")
@@ -85,6 +87,7 @@ class TrainRole(TrainingRole):
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-commit")
         self._pending: tuple[int, list[ShardRef], SavedVersion] | None = None
+        self.watch = StepWatch(config, mlflow_run_id)
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
@@ -183,6 +186,19 @@ class TrainRole(TrainingRole):
             if old != saved.policy.parent:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def stop_on_watchdog(self, firing: Firing) -> NoReturn:
+        """End the role on a watchdog `stop`: the commit in flight finishes, the step
+        that fired is not published, and one line names the signal and the newest
+        committed version, where a resume goes on (the flow raises it as
+        WatchdogStopped)."""
+        self.finish_publish()
+        self.background.close()
+        latest = self.registry.latest()
+        self.status.update(force=True, state="stopped", **self.watch.status())
+        last_good = latest.policy_version if latest is not None else 0
+        log.error(f"train stops: {WATCHDOG_MARK}%s", stop_line(firing, last_good))
+        raise SystemExit(EXIT_WATCHDOG)
+
     def run(self) -> None:
         cfg = self.config
         latest = self.start_version()
@@ -194,6 +210,7 @@ class TrainRole(TrainingRole):
         waited_total = 0.0
         trained_tokens_total = 0.0
         unpublished: list[ShardRef] = []
+        self.watch.resume(version)
         log.info("training from policy version %d to %d (B=%d)", version, total, B)
         self.status.update(force=True, state="running", step=version)
         while version < total:
@@ -211,7 +228,22 @@ class TrainRole(TrainingRole):
                 samples, stats = samples_from_table(table, self.advantages)
                 stats.update(staleness_stats(table, version))
             stats["train/lost_groups"] = float(len(lost))
-            metrics = trainer.train_step(samples) if samples else {}
+            guard = self.watch.guard(version + 1)
+            metrics = {}
+            if samples:
+                metrics = (
+                    trainer.train_step(samples, guard) if guard else trainer.train_step(samples)
+                )
+            firings, verdict = self.watch.settle(metrics, version + 1)
+            if verdict is not None and verdict.action == "stop":
+                stopped = {**metrics, **stats, **self.watch.step_metrics(firings)}
+                self.background.submit(
+                    log_metrics, cfg.tracking.uri, self.mlflow_run_id, stopped, step=version + 1
+                )
+                self.stop_on_watchdog(verdict)
+            if verdict is not None and table is not None:  # skip: the batch was left out
+                self.watch.skipped_groups += len(set(table.column("group_id").to_pylist()))
+            metrics.update(self.watch.step_metrics(firings))
             version += 1
             unpublished.extend(refs)
             trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
@@ -231,6 +263,7 @@ class TrainRole(TrainingRole):
                     "staleness_mean": f"{stats['staleness/mean']:.3f}",
                     "staleness_max": f"{stats['staleness/max']:.0f}",
                     "reward_mean": f"{stats['reward/mean']:.4f}",
+                    **self.watch.take_tags(),
                 }
                 self.publish(trainer, version, unpublished, tags)
                 unpublished = []
@@ -252,6 +285,7 @@ class TrainRole(TrainingRole):
                 trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
                 idle_ratio=metrics["train/idle_ratio"],
                 wall_time_s=elapsed,
+                **self.watch.status(),
             )
         self.finish_publish()
         trainer.close()
