@@ -5,7 +5,7 @@ parallelism. Part of `sluice.infra.config.RunConfig`; validated with it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -86,6 +86,10 @@ class WatchSignalConfig(_Section):
     """`spike` fires only when that recent mean is also above this (for `ess`: 1 - ESS above it), so a climb at a harmless scale stays quiet."""
     action: WatchAction | None = None
     """What a firing of this signal does; None = `watchdog.action`."""
+
+    def rule_settings(self, default_action: WatchAction) -> dict[str, Any]:
+        """Every setting of this signal, its action resolved (for `signal_rule`)."""
+        return {**self.model_dump(), "action": self.action or default_action}
 
 
 class WatchdogConfig(_Section):

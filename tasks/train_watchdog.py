@@ -46,13 +46,7 @@ def build_watchdog(config: RunConfig) -> MismatchWatchdog | None:
     if not cfg.enabled:
         return None
     rules = [
-        signal_rule(
-            name,
-            limit=signal.limit,
-            spike=signal.spike,
-            floor=signal.floor,
-            action=cfg.action_of(name),
-        )
+        signal_rule(name, **signal.rule_settings(cfg.action))
         for name, signal in cfg.signals().items()
     ]
     return MismatchWatchdog(

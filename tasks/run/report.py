@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
+from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import (
     end_run,
     get_metric_history,
@@ -307,6 +308,7 @@ def publish_summary(
         f"- held-out reward: **{start if start is None else f'{start:.3f}'}** → **{final if final is None else f'{final:.3f}'}**",
         f"- policy versions committed: {result['policy_versions']} (newest: {result['final_policy_version']})",
         f"- staleness bound η = {cfg.staleness.max_staleness}, interruptible = {cfg.rollout.interruptible}",
+        *([f"- {describe_mode(cfg)}"] if cfg.mode else []),
         f"- effective training throughput: {result.get('effective_tokens_per_s', float('nan')):.0f} trained tokens/s",
         watchdog_line(result["watchdog"]),
         f"- checkpoint: `{result['checkpoint_uri']}`",

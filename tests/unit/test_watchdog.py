@@ -54,9 +54,7 @@ def test_a_climb_below_the_floor_or_before_enough_history_stays_quiet():
 
 
 def test_ess_is_judged_by_how_far_it_falls():
-    watchdog = MismatchWatchdog(
-        [signal_rule("ess", spike=6.0, floor=0.3)], recent=1, min_history=5
-    )
+    watchdog = MismatchWatchdog([signal_rule("ess", spike=6.0, floor=0.3)], recent=1, min_history=5)
     steady(watchdog, "is/ess_sequence", 0.95, 10)  # 1 - ESS = 0.05
     assert watchdog.judge({"is/ess_sequence": 0.75}, step=11) == []  # 0.25: 5x, under 0.3
     (firing,) = watchdog.judge({"is/ess_sequence": 0.6}, step=11)  # 0.4: 8x and over 0.3
@@ -154,9 +152,7 @@ def config_with(*overrides):
 
 def test_the_train_role_watch_counts_tags_and_names_the_last_good_version():
     watch = StepWatch(
-        config_with(
-            "trainer.watchdog.kl_k3.limit=0.05", "trainer.watchdog.kl_k3.action=skip"
-        ),
+        config_with("trainer.watchdog.kl_k3.limit=0.05", "trainer.watchdog.kl_k3.action=skip"),
         mlflow_run_id="unused",
     )
     guard = watch.guard(step=7)
