@@ -164,6 +164,10 @@ class TrainerConfig(_Section):
     """Token budget of one packed micro-batch (dynamic micro-batching)."""
     min_micro_batches: int = Field(1, ge=1)
     """Lower bound on micro-batches per minibatch."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling with refill: the rollout keeps generating past groups whose rewards are all equal (they carry no gradient) so that every batch still holds B groups that do; those are dropped, and their count per batch is the cost (`dynamic_sampling/extra_groups`). The staleness bound holds for every sample (docs/design.md). Off: such groups stay in their batch with zero advantage, or shrink it with `advantage.drop_zero_variance_groups`."""
+    dynamic_sampling_max_draws: int = Field(10, ge=1)
+    """Dynamic sampling: a batch that has drawn this many times B groups without finding B informative ones stops the run with one line (the task is too hard or too easy for the policy), instead of generating forever. DAPO's `max_num_gen_batches`."""
     publish_every: int = Field(1, ge=1)
     """Commit a new policy version every K training steps."""
     time_budget_s: float | None = Field(None, gt=0)

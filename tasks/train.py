@@ -43,7 +43,12 @@ from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
-from sluice.tasks.run.versions import SavedVersion, read_consumed, save_version
+from sluice.tasks.run.versions import (
+    SavedVersion,
+    read_consumed,
+    read_next_group,
+    save_version,
+)
 from sluice.tasks.train_watchdog import StepWatch, stop_line
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
@@ -82,7 +87,9 @@ class TrainRole(TrainingRole):
         super().__init__(config, run_id, mlflow_run_id)
         self.local_root = self.local_dir("trainer")
         self.reader = self.stream_reader(SCORED, consumer="trainer")
-        self.buffer: GroupBuffer[ShardRef] = GroupBuffer(config.trainer.prompts_per_batch)
+        self.buffer: GroupBuffer[ShardRef] = GroupBuffer(
+            config.trainer.prompts_per_batch, refill=config.trainer.dynamic_sampling
+        )
         self.advantages = advantage_fn(config)
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-commit")
@@ -93,6 +100,11 @@ class TrainRole(TrainingRole):
         """The newest durable version (alias repaired), its consumed shards acked."""
         latest = super().start_version()
         self.reconcile_ledger(latest)
+        if self.buffer.refill:
+            recorded = read_next_group(self.config, self.paths, latest)
+            B = self.config.trainer.prompts_per_batch
+            # A run that turned refill on at a resume took B numbers per batch so far.
+            self.buffer.cursor = latest.policy_version * B if recorded is None else recorded
         return latest
 
     def reconcile_ledger(self, committed: CommittedVersion) -> None:
@@ -131,9 +143,19 @@ class TrainRole(TrainingRole):
             if time.monotonic() - last_check < LOST_CHECK_INTERVAL_S:
                 return
             last_check = time.monotonic()
+            self.check_draws(step + 1)
             missing = self.buffer.missing(step)
             found = lost_groups(self.rollouts_audit(), self.reader, missing)
-            if found and len(found) == len(missing):
+            if found and self.buffer.refill:  # passed over; the batch draws further
+                log.error(
+                    "step %d passes over %d group(s) lost to corrupt shards: %s",
+                    step,
+                    len(found),
+                    ", ".join(group_key(i) for i in found),
+                )
+                self.buffer.lost.update(found)
+                lost.extend(found)
+            elif found and len(found) == len(missing):
                 log.error(
                     "step %d goes on without %d group(s) lost to corrupt shards: %s",
                     step,
@@ -143,12 +165,30 @@ class TrainRole(TrainingRole):
                 lost = found
 
         def complete() -> bool:
-            return bool(lost) or not self.buffer.missing(step)
+            return (bool(lost) and not self.buffer.refill) or not self.buffer.missing(step)
 
         if not self.consume(self.reader, file_shard, wait_a_little, done=complete):
             raise StopRequested
         table, done = self.buffer.take(step)
         return table, done, waited, lost
+
+    def check_draws(self, step: int) -> None:
+        """Dynamic sampling: stop the run (as the watchdog does) when the batch of `step`
+        has drawn `dynamic_sampling_max_draws` x B groups and is still not full."""
+        if not self.buffer.refill:
+            return
+        drawn = self.buffer.drawn()
+        limit = self.config.trainer.dynamic_sampling_max_draws * self.buffer.prompts_per_batch
+        if drawn >= limit:
+            reason = (
+                f"batch {step} drew {drawn} groups and found fewer than the "
+                f"{self.buffer.prompts_per_batch} whose rewards differ that it needs "
+                f"(trainer.dynamic_sampling_max_draws={limit // self.buffer.prompts_per_batch}); "
+                "the task is too hard or too easy for this policy"
+            )
+            firing = Firing("dynamic_sampling", step, float(drawn), "stop", reason)
+            self.watch.note(firing)
+            self.stop_on_watchdog(firing)
 
     def rollouts_audit(self) -> StreamReader:
         """A reader of the rollouts stream that only looks (it never reads or acks)."""
@@ -170,7 +210,8 @@ class TrainRole(TrainingRole):
         self.finish_publish()
         saved = save_version(trainer, self.local_root / f"v{version:06d}", version)
         names = [r.name for r in consumed]
-        self.background.submit(self.commit_version, saved, version, tags, names)
+        cursor = self.buffer.cursor if self.buffer.refill else None
+        self.background.submit(self.commit_version, saved, version, tags, names, cursor)
         self._pending = (version, consumed, saved)
 
     def finish_publish(self) -> None:
@@ -210,6 +251,7 @@ class TrainRole(TrainingRole):
         waited_total = 0.0
         trained_tokens_total = 0.0
         unpublished: list[ShardRef] = []
+        extra_total = 0
         self.watch.resume(version)
         log.info("training from policy version %d to %d (B=%d)", version, total, B)
         self.status.update(force=True, state="running", step=version)
@@ -228,6 +270,13 @@ class TrainRole(TrainingRole):
                 samples, stats = samples_from_table(table, self.advantages)
                 stats.update(staleness_stats(table, version))
             stats["train/lost_groups"] = float(len(lost))
+            if self.buffer.refill:  # the cost of keeping B informative groups per batch
+                extra_total += self.buffer.last_dropped
+                stats["dynamic_sampling/drawn_groups"] = float(self.buffer.last_drawn)
+                stats["dynamic_sampling/extra_groups"] = float(self.buffer.last_dropped)
+                stats["dynamic_sampling/extra_groups_per_batch"] = extra_total / (
+                    version + 1 - latest.policy_version
+                )
             guard = self.watch.guard(version + 1)
             metrics = {}
             if samples:

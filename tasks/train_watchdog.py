@@ -118,17 +118,21 @@ class StepWatch:
         self._step_firings = []
         self.watchdog.record(signals, fired=[f.signal for f in firings])
         for firing in firings:
-            log.warning(
-                "watchdog: %s fired at step %d (%s): %s",
-                firing.signal,
-                step,
-                firing.action,
-                firing.reason,
-            )
-            self.counts[firing.signal] += 1
-            self._tags[f"watchdog.{firing.signal}"] = f"step {step} ({firing.action})"
-            self.kept = [*self.kept, firing.as_dict()][-KEPT_FIRINGS:]
+            self.note(firing)
         return firings, blocking(firings)
+
+    def note(self, firing: Firing) -> None:
+        """Log, count and keep one firing (the status lists it; the flow emits it)."""
+        log.warning(
+            "watchdog: %s fired at step %d (%s): %s",
+            firing.signal,
+            firing.step,
+            firing.action,
+            firing.reason,
+        )
+        self.counts[firing.signal] += 1
+        self._tags[f"watchdog.{firing.signal}"] = f"step {firing.step} ({firing.action})"
+        self.kept = [*self.kept, firing.as_dict()][-KEPT_FIRINGS:]
 
     @staticmethod
     def step_metrics(firings: list[Firing]) -> dict[str, float]:
