@@ -295,7 +295,8 @@ class TrainRole(TrainingRole):
             metrics.update(self.watch.step_metrics(firings))
             version += 1
             unpublished.extend(refs)
-            trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
+            if metrics.get("train/applied_minibatches", 1.0) > 0:  # a skipped batch trains none
+                trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
             elapsed = time.monotonic() - started
             metrics.update(stats)
             metrics["train/idle_ratio"] = waited_total / max(1e-9, elapsed)
