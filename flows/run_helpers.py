@@ -244,6 +244,8 @@ def watch_progress(
     control = RunControl(config, paths)
     poller = StatusPoller(config, run_id, interval_s if budget is None else 0.5)
     stopping = False
+    first = best_effort(partial(read_statuses, config, paths)) or {}
+    watchdog = WatchdogEvents(run_id, first.get("train", {}))
 
     def show(statuses: dict[str, dict[str, Any]], last_state: str) -> str:
         """Progress artifact and console line; the line only when the roles report
@@ -276,6 +278,7 @@ def watch_progress(
                     best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
                 budget = None
             last_state = show(poller.latest(), last_state)
+            watchdog.emit_new(poller.latest().get("train", {}))
             if placed is not None:
                 replace_lost_roles(placed, futures, control)
             failed = [r for r, f in futures.items() if ended_badly(f.state)]
@@ -289,9 +292,11 @@ def watch_progress(
                 ).start()
     finally:
         poller.close()
+    final = best_effort(partial(read_statuses, config, paths)) or poller.latest()
+    watchdog.emit_new(final.get("train", {}))  # a firing that stopped the run
     if not any(ended_badly(f.state) for f in futures.values()):
         # Finished (storage answers): read once more, so the last line shows the end.
-        show(best_effort(partial(read_statuses, config, paths)) or poller.latest(), last_state)
+        show(final, last_state)
 
 
 def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunControl) -> None:
@@ -331,6 +336,43 @@ def finished(future: Any) -> bool:
     no time collects the crash Ray reports."""
     future.wait(0)
     return bool(future.state.is_final())
+
+
+WATCHDOG_EVENT = "sluice.watchdog.fired"
+"""The Prefect event each mismatch-watchdog firing emits (an automation can route it)."""
+
+
+class WatchdogEvents:
+    """Each firing the train status lists, emitted once as a Prefect event. The flow
+    emits them (it holds the Prefect API); firings a resumed run's status already held
+    were emitted by the flow that saw them."""
+
+    def __init__(self, run_id: str, train_status: dict[str, Any]) -> None:
+        self.run_id = run_id
+        self.seen = {self._key(f) for f in train_status.get("watchdog_last", [])}
+
+    @staticmethod
+    def _key(firing: dict[str, Any]) -> tuple[str, int]:
+        return str(firing.get("signal")), int(firing.get("step", -1))
+
+    def emit_new(self, train_status: dict[str, Any]) -> int:
+        from prefect.events import emit_event
+
+        emitted = 0
+        for firing in train_status.get("watchdog_last", []):
+            if self._key(firing) in self.seen:
+                continue
+            self.seen.add(self._key(firing))
+            emit_event(
+                event=WATCHDOG_EVENT,
+                resource={
+                    "prefect.resource.id": f"sluice.run.{self.run_id}",
+                    "prefect.resource.name": self.run_id,
+                },
+                payload=dict(firing),
+            )
+            emitted += 1
+        return emitted
 
 
 class StatusPoller:

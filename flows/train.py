@@ -32,6 +32,7 @@ from sluice.flows.run_helpers import (
     write_resolved_config,
 )
 from sluice.infra.config import RunConfig, load_config
+from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.process.inference_server import write_start
 from sluice.tasks.process.servers import planned_servers, serve_inference
@@ -104,6 +105,8 @@ def train(
         )
         log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
         config_path = write_resolved_config(config, run_id)
+        if config.mode is not None:
+            logger.info("%s", describe_mode(config))
         logger.info(
             "%s run %s: storage %s, MLflow run %s",
             "resuming" if resume else "starting",

@@ -41,6 +41,11 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
                 "train_sync generates inside its training process; servers.launch="
                 f"{config.servers.launch} applies to the asynchronous `train` flow only"
             )
+        if config.trainer.dynamic_sampling:
+            raise ValueError(
+                "trainer.dynamic_sampling refills batches from the asynchronous rollout "
+                "stream; the colocated train_sync baseline samples one batch per step"
+            )
         run_id = run_id or new_run_id(config)
         claim_new_run(config, run_id)
         mlflow_run_id = start_or_resume_run(

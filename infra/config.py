@@ -10,6 +10,7 @@ parameter, and the resolved config is logged to MLflow for each run.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from sluice.infra.config_overrides import (
 )
 from sluice.infra.problem_config import HumanEvalConfig, ReasoningGymConfig, check_verifier
 from sluice.infra.problem_config import Section as _Section
+from sluice.infra.run_modes import Mode, apply_mode, dotted_keys
 from sluice.infra.trainer_config import (  # noqa: F401  (importable from here as before)
     AdvantageConfig,
     CorrectionConfig,
@@ -305,6 +307,8 @@ class RunConfig(BaseModel):
     """Run name. Each run's id is `{name}-{UTC start time}-{4 hex}` (or the id given to `--resume`), and its streams, checkpoints and control files live under `{storage.url}/{run id}`."""
     seed: int = 0
     """Seeds prompts, sampling, initialisation and training."""
+    mode: Mode | None = None
+    """verl's fully-async modes by name: `on_policy` (eta 0), `one_step_off` (eta 1), `stream` (eta 3, a version every 4 steps), `stale` (eta 5, a version every 4 steps), `partial` (as `stale`, interrupting generation for each update). Sets `staleness.max_staleness`, `trainer.publish_every` and `rollout.interruptible` (infra/run_modes.py has the table and why); a key set explicitly still wins, and the run logs the values it resolved. None = those keys as given."""
     workdir: str = ".sluice"
     """Local directory for caches (warm-start model, fetched checkpoints)."""
     device: Literal["cpu", "cuda", "auto"] = "auto"
@@ -339,6 +343,14 @@ class RunConfig(BaseModel):
     """MLflow tracking and registry."""
     cluster: ClusterConfig = ClusterConfig()
     """Where the roles run: this machine (default) or a Ray cluster."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_presets(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode") is not None:
+            data = copy.deepcopy(data)
+            apply_mode(data)  # keys given in `data` win
+        return data
 
     @model_validator(mode="after")
     def _cluster_reaches_services(self) -> RunConfig:
@@ -417,8 +429,12 @@ def load_config(
     if resolved is not None:
         source = str(resolved)
         data = read_config_file(resolved)
+    from_file = dotted_keys(data)
     for assignment in overrides:
         apply_override(data, assignment)
+    # A mode fills the keys it presets unless they were set at its own layer or later.
+    set_keys = {a.partition("=")[0].strip() for a in overrides}
+    apply_mode(data, set_keys if "mode" in set_keys else set_keys | from_file)
     if overrides:
         source = f"{source} with --set" if resolved else "--set"
     try:

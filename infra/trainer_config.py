@@ -5,7 +5,7 @@ parallelism. Part of `sluice.infra.config.RunConfig`; validated with it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -55,7 +55,7 @@ class LoraConfig(_Section):
     """Low-rank adapters (LoRA, through peft) instead of full fine-tuning; off at rank 0."""
 
     rank: int = Field(0, ge=0, le=4096)
-    """r: the adapters' rank; 0 = full fine-tuning. Only the adapters train (every base weight is frozen and out of the optimizer); each version is published as the merged weights, so serving is unchanged. Torch backend only."""
+    """r: the adapters' rank; 0 = full fine-tuning. Only the adapters train (every base weight is frozen and out of the optimizer); each version after 0 is published as the adapter alone, which the servers load through SGLang's LoRA API. Torch backend only."""
     alpha: int = Field(16, ge=1)
     """Scale of the adapters' update: W + (alpha / r) * B A."""
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -70,6 +70,63 @@ class LoraConfig(_Section):
         "down_proj",
     ]
     """Names of the linear layers that get an adapter (the last part of their module name); a name the model lacks is refused naming the ones it has."""
+
+
+WatchAction = Literal["warn", "skip", "stop"]
+
+
+class WatchSignalConfig(_Section):
+    """How the mismatch watchdog judges one signal (docs/design.md, the watchdog)."""
+
+    limit: float | None = None
+    """Absolute bound: any step whose value passes it fires (above it; below it for `ess`). None = no bound."""
+    spike: float | None = Field(None, gt=1)
+    """Fires when the mean of the last `watchdog.recent` steps is more than this many times the median of the `watchdog.window` steps before them (for `ess`: of 1 - ESS). None = judge by `limit` only."""
+    floor: float = Field(0.0, ge=0)
+    """`spike` fires only when that recent mean is also above this (for `ess`: 1 - ESS above it), so a climb at a harmless scale stays quiet."""
+    action: WatchAction | None = None
+    """What a firing of this signal does; None = `watchdog.action`."""
+
+    def rule_settings(self, default_action: WatchAction) -> dict[str, Any]:
+        """Every setting of this signal, its action resolved (for `signal_rule`)."""
+        return {**self.model_dump(), "action": self.action or default_action}
+
+
+class WatchdogConfig(_Section):
+    """The train role's mismatch watchdog: judges every step's health signals before its update is applied, against fixed limits and the run's own recent history, and warns, leaves the batch out or stops the run."""
+
+    enabled: bool = True
+    """Judge every step (the metrics are computed either way)."""
+    action: WatchAction = "warn"
+    """What a firing does unless its signal says otherwise. `warn`: one log line, a Prefect event (`sluice.watchdog.fired`), an MLflow tag on the next version. `skip`: that too, and the batch is not applied (the version moves on with unchanged weights; its groups count as skipped). `stop`: the run stops, naming the signal and the last good version; `sluice train --resume` continues it. Torch backend: `skip` needs it (Megatron takes its optimizer step inside its own schedule)."""
+    recent: int = Field(5, ge=1)
+    """Steps averaged before a spike is judged (this one included): a climb that lasts, not one noisy step."""
+    window: int = Field(30, ge=2)
+    """Steps before those whose median is the baseline."""
+    min_history: int = Field(10, ge=1)
+    """Baseline steps needed before `spike` is judged (`limit` is judged from the first step)."""
+    kl_k3: WatchSignalConfig = WatchSignalConfig(spike=8.0, floor=1e-3)
+    """k3 estimate of KL(pi_behav || pi_prox) (`mismatch/kl_k3`)."""
+    log_ppl_gap: WatchSignalConfig = WatchSignalConfig(spike=5.0, floor=0.02)
+    """|log PPL under the trainer - log PPL under the engine| (`mismatch/log_ppl_abs_diff`)."""
+    grad_norm: WatchSignalConfig = WatchSignalConfig(spike=10.0, floor=1.0)
+    """Pre-clip gradient norm of each optimizer step (`train/grad_norm`; the step's largest enters the history)."""
+    ess: WatchSignalConfig = WatchSignalConfig(spike=6.0, floor=0.3)
+    """Effective sample size of the sequence importance weights (`is/ess_sequence`, 1 = uniform); bad when it falls."""
+    masked_fraction: WatchSignalConfig = WatchSignalConfig(limit=0.5)
+    """Share of response tokens rollout correction masked out (`is/masked_fraction`; 0 unless a MIS or RS mode is on)."""
+
+    def signals(self) -> dict[str, WatchSignalConfig]:
+        return {
+            "kl_k3": self.kl_k3,
+            "log_ppl_gap": self.log_ppl_gap,
+            "grad_norm": self.grad_norm,
+            "ess": self.ess,
+            "masked_fraction": self.masked_fraction,
+        }
+
+    def action_of(self, signal: str) -> WatchAction:
+        return self.signals()[signal].action or self.action
 
 
 class TrainerConfig(_Section):
@@ -107,6 +164,10 @@ class TrainerConfig(_Section):
     """Token budget of one packed micro-batch (dynamic micro-batching)."""
     min_micro_batches: int = Field(1, ge=1)
     """Lower bound on micro-batches per minibatch."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling with refill: the rollout keeps generating past groups whose rewards are all equal (they carry no gradient) so that every batch still holds B groups that do; those are dropped, and their count per batch is the cost (`dynamic_sampling/extra_groups`). The staleness bound holds for every sample (docs/design.md). Off: such groups stay in their batch with zero advantage, or shrink it with `advantage.drop_zero_variance_groups`."""
+    dynamic_sampling_max_draws: int = Field(10, ge=1)
+    """Dynamic sampling: a batch that has drawn this many times B groups without finding B informative ones stops the run with one line (the task is too hard or too easy for the policy), instead of generating forever. DAPO's `max_num_gen_batches`."""
     publish_every: int = Field(1, ge=1)
     """Commit a new policy version every K training steps."""
     time_budget_s: float | None = Field(None, gt=0)
@@ -119,6 +180,8 @@ class TrainerConfig(_Section):
     """Advantage estimator."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters instead of full fine-tuning (`rank` > 0)."""
+    watchdog: WatchdogConfig = WatchdogConfig()
+    """The mismatch watchdog (warns by default)."""
 
     @property
     def world_size(self) -> int:
@@ -139,6 +202,13 @@ class TrainerConfig(_Section):
             raise ValueError(
                 "trainer.lora trains adapters with the torch backend only; set "
                 "trainer.backend=torch or trainer.lora.rank=0"
+            )
+        skipping = [s for s in self.watchdog.signals() if self.watchdog.action_of(s) == "skip"]
+        if skipping and self.watchdog.enabled and self.backend != "torch":
+            raise ValueError(
+                f"trainer.watchdog action skip ({', '.join(skipping)}) needs "
+                "trainer.backend=torch (Megatron takes its optimizer step inside its own "
+                "schedule); use warn or stop"
             )
         if asked and self.backend != "megatron":
             raise ValueError(

@@ -43,7 +43,11 @@ deleted or altered after its commit. Restarting cannot repair it; the run stops.
 EXIT_CANNOT_START = 78
 """Exit code of a role process that failed before its loop began (EX_CONFIG): its
 imports, config or a plugin. A restart would meet the same error; the run stops."""
+EXIT_WATCHDOG = 66
+"""Exit code of a train role the mismatch watchdog stopped (`trainer.watchdog` action
+`stop`): the run stops, resumable from its last good version."""
 CANNOT_START_MARK = "cannot start: "
+WATCHDOG_MARK = "mismatch watchdog: "
 OUTAGE_MARK = "a service stopped answering"
 DAMAGED_MARK = "a committed checkpoint is damaged: "
 """What the role's last error line says, for its supervisor to find in the log."""

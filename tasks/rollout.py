@@ -49,9 +49,10 @@ from sluice.tasks.process.inference_server import EmbeddedServer, launched_serve
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
+from sluice.tasks.rollout_refill import UninformativeGroups
 from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.rollout_weights import ServedWeights
-from sluice.tasks.run.paths import ROLLOUTS
+from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.versions import serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
@@ -307,6 +308,13 @@ class RolloutRole(Role):
             cfg.trainer.prompts_per_batch,
             cfg.staleness.max_staleness,
         )
+        refill = (
+            UninformativeGroups(self.stream_reader(SCORED, consumer="rollout-refill"))
+            if cfg.trainer.dynamic_sampling
+            else None
+        )
+        if refill is not None:  # their slots were given back before the restart too
+            gate.release(await asyncio.to_thread(refill.poll))
         if reissue:
             log.info("re-issuing %d groups that were in flight before the restart", len(reissue))
         max_in_flight = max(1, (2 * cfg.rollout.max_batch_size) // cfg.rollout.group_size)
@@ -321,6 +329,10 @@ class RolloutRole(Role):
                     await self.maybe_update_weights(client)
                 except InferenceServerUnreachableError as exc:
                     await self.recover_servers(client, exc)
+                if refill is not None:
+                    released = await asyncio.to_thread(refill.poll)
+                    gate.release(released)
+                    self.stats.groups_refilled += released
             if now - last_profile >= PROFILE_INTERVAL_S:
                 last_profile = now
                 await self.read_profiles(client)

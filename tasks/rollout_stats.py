@@ -33,6 +33,8 @@ class RolloutStats:
     """Per weight update: seconds from the version's commit (its registry time) to every
     server holding it (the poll's wait, the fetch and the load)."""
     partial_samples: int = 0
+    groups_refilled: int = 0
+    """Dynamic sampling: slots given back for groups scored with all rewards equal."""
     max_version_span: int = 0
     server_recoveries: int = 0
     episode_turns: int = 0
@@ -80,6 +82,7 @@ class RolloutStats:
                 else None
             ),
             "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
+            "groups_refilled": self.groups_refilled,
             "max_version_span": self.max_version_span,
             "server_recoveries": self.server_recoveries,
             **(self.episode_status() if self.episode_turns else {}),

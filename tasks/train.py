@@ -26,23 +26,30 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
+from sluice.engines.rl.watchdog import Firing
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import log_metrics
-from sluice.tasks.role import StopRequested
+from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
-from sluice.tasks.run.versions import SavedVersion, read_consumed, save_version
+from sluice.tasks.run.versions import (
+    SavedVersion,
+    read_consumed,
+    read_next_group,
+    save_version,
+)
+from sluice.tasks.train_watchdog import StepWatch, stop_line
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 log = logging.getLogger("sluice.train")
@@ -80,16 +87,24 @@ class TrainRole(TrainingRole):
         super().__init__(config, run_id, mlflow_run_id)
         self.local_root = self.local_dir("trainer")
         self.reader = self.stream_reader(SCORED, consumer="trainer")
-        self.buffer: GroupBuffer[ShardRef] = GroupBuffer(config.trainer.prompts_per_batch)
+        self.buffer: GroupBuffer[ShardRef] = GroupBuffer(
+            config.trainer.prompts_per_batch, refill=config.trainer.dynamic_sampling
+        )
         self.advantages = advantage_fn(config)
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-commit")
         self._pending: tuple[int, list[ShardRef], SavedVersion] | None = None
+        self.watch = StepWatch(config, mlflow_run_id)
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
         latest = super().start_version()
         self.reconcile_ledger(latest)
+        if self.buffer.refill:
+            recorded = read_next_group(self.config, self.paths, latest)
+            B = self.config.trainer.prompts_per_batch
+            # A run that turned refill on at a resume took B numbers per batch so far.
+            self.buffer.cursor = latest.policy_version * B if recorded is None else recorded
         return latest
 
     def reconcile_ledger(self, committed: CommittedVersion) -> None:
@@ -128,9 +143,19 @@ class TrainRole(TrainingRole):
             if time.monotonic() - last_check < LOST_CHECK_INTERVAL_S:
                 return
             last_check = time.monotonic()
+            self.check_draws(step + 1)
             missing = self.buffer.missing(step)
             found = lost_groups(self.rollouts_audit(), self.reader, missing)
-            if found and len(found) == len(missing):
+            if found and self.buffer.refill:  # passed over; the batch draws further
+                log.error(
+                    "step %d passes over %d group(s) lost to corrupt shards: %s",
+                    step,
+                    len(found),
+                    ", ".join(group_key(i) for i in found),
+                )
+                self.buffer.lost.update(found)
+                lost.extend(found)
+            elif found and len(found) == len(missing):
                 log.error(
                     "step %d goes on without %d group(s) lost to corrupt shards: %s",
                     step,
@@ -140,12 +165,30 @@ class TrainRole(TrainingRole):
                 lost = found
 
         def complete() -> bool:
-            return bool(lost) or not self.buffer.missing(step)
+            return (bool(lost) and not self.buffer.refill) or not self.buffer.missing(step)
 
         if not self.consume(self.reader, file_shard, wait_a_little, done=complete):
             raise StopRequested
         table, done = self.buffer.take(step)
         return table, done, waited, lost
+
+    def check_draws(self, step: int) -> None:
+        """Dynamic sampling: stop the run (as the watchdog does) when the batch of `step`
+        has drawn `dynamic_sampling_max_draws` x B groups and is still not full."""
+        if not self.buffer.refill:
+            return
+        drawn = self.buffer.drawn()
+        limit = self.config.trainer.dynamic_sampling_max_draws * self.buffer.prompts_per_batch
+        if drawn >= limit:
+            reason = (
+                f"batch {step} drew {drawn} groups and found fewer than the "
+                f"{self.buffer.prompts_per_batch} whose rewards differ that it needs "
+                f"(trainer.dynamic_sampling_max_draws={limit // self.buffer.prompts_per_batch}); "
+                "the task is too hard or too easy for this policy"
+            )
+            firing = Firing("dynamic_sampling", step, float(drawn), "stop", reason)
+            self.watch.note(firing)
+            self.stop_on_watchdog(firing)
 
     def rollouts_audit(self) -> StreamReader:
         """A reader of the rollouts stream that only looks (it never reads or acks)."""
@@ -167,7 +210,8 @@ class TrainRole(TrainingRole):
         self.finish_publish()
         saved = save_version(trainer, self.local_root / f"v{version:06d}", version)
         names = [r.name for r in consumed]
-        self.background.submit(self.commit_version, saved, version, tags, names)
+        cursor = self.buffer.cursor if self.buffer.refill else None
+        self.background.submit(self.commit_version, saved, version, tags, names, cursor)
         self._pending = (version, consumed, saved)
 
     def finish_publish(self) -> None:
@@ -183,6 +227,19 @@ class TrainRole(TrainingRole):
             if old != saved.policy.parent:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def stop_on_watchdog(self, firing: Firing) -> NoReturn:
+        """End the role on a watchdog `stop`: the commit in flight finishes, the step
+        that fired is not published, and one line names the signal and the newest
+        committed version, where a resume goes on (the flow raises it as
+        WatchdogStopped)."""
+        self.finish_publish()
+        self.background.close()
+        latest = self.registry.latest()
+        self.status.update(force=True, state="stopped", **self.watch.status())
+        last_good = latest.policy_version if latest is not None else 0
+        log.error(f"train stops: {WATCHDOG_MARK}%s", stop_line(firing, last_good))
+        raise SystemExit(EXIT_WATCHDOG)
+
     def run(self) -> None:
         cfg = self.config
         latest = self.start_version()
@@ -194,6 +251,8 @@ class TrainRole(TrainingRole):
         waited_total = 0.0
         trained_tokens_total = 0.0
         unpublished: list[ShardRef] = []
+        extra_total = 0
+        self.watch.resume(version)
         log.info("training from policy version %d to %d (B=%d)", version, total, B)
         self.status.update(force=True, state="running", step=version)
         while version < total:
@@ -211,10 +270,33 @@ class TrainRole(TrainingRole):
                 samples, stats = samples_from_table(table, self.advantages)
                 stats.update(staleness_stats(table, version))
             stats["train/lost_groups"] = float(len(lost))
-            metrics = trainer.train_step(samples) if samples else {}
+            if self.buffer.refill:  # the cost of keeping B informative groups per batch
+                extra_total += self.buffer.last_dropped
+                stats["dynamic_sampling/drawn_groups"] = float(self.buffer.last_drawn)
+                stats["dynamic_sampling/extra_groups"] = float(self.buffer.last_dropped)
+                stats["dynamic_sampling/extra_groups_per_batch"] = extra_total / (
+                    version + 1 - latest.policy_version
+                )
+            guard = self.watch.guard(version + 1)
+            metrics = {}
+            if samples:
+                metrics = (
+                    trainer.train_step(samples, guard) if guard else trainer.train_step(samples)
+                )
+            firings, verdict = self.watch.settle(metrics, version + 1)
+            if verdict is not None and verdict.action == "stop":
+                stopped = {**metrics, **stats, **self.watch.step_metrics(firings)}
+                self.background.submit(
+                    log_metrics, cfg.tracking.uri, self.mlflow_run_id, stopped, step=version + 1
+                )
+                self.stop_on_watchdog(verdict)
+            if verdict is not None and table is not None:  # skip: the batch was left out
+                self.watch.skipped_groups += len(set(table.column("group_id").to_pylist()))
+            metrics.update(self.watch.step_metrics(firings))
             version += 1
             unpublished.extend(refs)
-            trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
+            if metrics.get("train/applied_minibatches", 1.0) > 0:  # a skipped batch trains none
+                trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
             elapsed = time.monotonic() - started
             metrics.update(stats)
             metrics["train/idle_ratio"] = waited_total / max(1e-9, elapsed)
@@ -231,6 +313,7 @@ class TrainRole(TrainingRole):
                     "staleness_mean": f"{stats['staleness/mean']:.3f}",
                     "staleness_max": f"{stats['staleness/max']:.0f}",
                     "reward_mean": f"{stats['reward/mean']:.4f}",
+                    **self.watch.take_tags(),
                 }
                 self.publish(trainer, version, unpublished, tags)
                 unpublished = []
@@ -252,6 +335,7 @@ class TrainRole(TrainingRole):
                 trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
                 idle_ratio=metrics["train/idle_ratio"],
                 wall_time_s=elapsed,
+                **self.watch.status(),
             )
         self.finish_publish()
         trainer.close()

@@ -122,6 +122,7 @@ class TrainingRole(Role):
         version: int,
         tags: dict[str, Any],
         consumed: list[str] | None = None,
+        next_group: int | None = None,
     ) -> str:
         """Upload the trainer state, the `consumed` shard list and the policy in `saved`,
         then commit the policy as `version`; returns its URI. Retention runs after the
@@ -141,7 +142,7 @@ class TrainingRole(Role):
             saved.trainer_state, self.paths.trainer_state(version), options, replace=True
         )
         if consumed is not None:
-            write_consumed(self.config, self.paths, version, consumed)
+            write_consumed(self.config, self.paths, version, consumed, next_group)
         if is_adapter_dir(saved.policy):  # a LoRA version names the base it applies to
             if self._base_reference is None:
                 self._base_reference = base_reference(self.config, self.registry)

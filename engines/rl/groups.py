@@ -7,6 +7,16 @@ order they finished in (`GroupBuffer`): taking groups as they arrive would let a
 group of batch k slip into batch k + 1, eta + 1 versions old. A restarted rollout role
 re-issues the numbers below its high-water mark that never reached the stream
 (`reissue_plan`) and re-bases its gate from durable counts (`resume_gate`).
+
+**Dynamic sampling with refill** (`trainer.dynamic_sampling`, DAPO): a group whose
+rewards are all equal carries no gradient, so batch k is instead the B *informative*
+groups that follow batch k − 1 in issue order, together with the uninformative ones
+between them, which are dropped (and counted: the cost of refilling). The buffer keeps
+a cursor, the first issue number no batch has taken, and the trainer records it with
+every version. The gate stays exact: the rollout role gives back the slot of each group
+it learns was uninformative (`informative`), so a group admitted while
+accepted + in flight < (i + η + 1)B has fewer than (i + η + 1)B informative groups
+before it, which puts it in a batch ≤ i + η.
 """
 
 from __future__ import annotations
@@ -56,6 +66,11 @@ def resume_gate(
     )
 
 
+def informative(rewards: list[float]) -> bool:
+    """Whether a group's rewards differ (all equal: zero advantage, no gradient)."""
+    return len(rewards) > 0 and max(rewards) != min(rewards)
+
+
 class NamedShard(Protocol):
     """What the buffer needs of a stream shard: its unique name (a `ShardRef` has one)."""
 
@@ -74,8 +89,16 @@ class GroupBuffer(Generic[ShardT]):
     restart, or as a duplicate).
     """
 
-    def __init__(self, prompts_per_batch: int) -> None:
+    def __init__(self, prompts_per_batch: int, refill: bool = False) -> None:
         self.prompts_per_batch = prompts_per_batch
+        self.refill = refill
+        """Dynamic sampling: a batch is the next B informative groups (module docstring)."""
+        self.cursor = 0
+        """Refill: the first issue number no batch has taken (the trainer sets it on resume)."""
+        self.lost: set[int] = set()
+        """Refill: issue numbers that will never arrive (a quarantined shard)."""
+        self.last_drawn = self.last_dropped = 0
+        """Refill: groups the last batch took from the stream, and of those dropped."""
         self._groups: dict[int, pa.Table] = {}
         self._shard_of: dict[int, str] = {}
         self._open: dict[str, set[int]] = {}
@@ -102,8 +125,9 @@ class GroupBuffer(Generic[ShardT]):
             by_index.setdefault(group_index_of(str(name)), []).append(row)
         warnings = []
         kept: set[int] = set()
+        first = self.cursor if self.refill else step * self.prompts_per_batch
         for index, rows in by_index.items():
-            if index < step * self.prompts_per_batch:
+            if index < first:
                 warnings.append(f"{group_key(index)} in {ref.name} was trained before; skipped")
             elif index in self._groups:
                 warnings.append(
@@ -122,16 +146,53 @@ class GroupBuffer(Generic[ShardT]):
         return warnings
 
     def missing(self, step: int) -> list[int]:
+        """The issue numbers batch `step` still waits for (refill: the next one it needs,
+        while it has fewer than B informative groups)."""
+        if self.refill:
+            taken, complete = self._refill_plan()
+            return [] if complete else [self.cursor + len(taken)]
         return [i for i in self.indices(step) if i not in self._groups]
 
+    def drawn(self) -> int:
+        """Refill: issue numbers the batch being built has taken so far (lost included)."""
+        return len(self._refill_plan()[0])
+
+    def _refill_plan(self) -> tuple[list[int], bool]:
+        """The issue numbers from the cursor the next batch takes, and whether they hold
+        B informative groups (lost numbers are passed over)."""
+        taken: list[int] = []
+        found = 0
+        index = self.cursor
+        while found < self.prompts_per_batch:
+            if index not in self.lost:
+                table = self._groups.get(index)
+                if table is None:
+                    return taken, False
+                found += informative(table.column("reward").to_pylist())
+            taken.append(index)
+            index += 1
+        return taken, True
+
     def take(self, step: int) -> tuple[pa.Table | None, list[ShardT]]:
-        """Batch `step` (the groups present, in issue order) and the shards it completes."""
+        """Batch `step` (the groups present, in issue order) and the shards it completes.
+
+        Refill: the informative groups of the numbers from the cursor up to the B-th
+        informative one; the uninformative ones among them are dropped (`last_dropped`)
+        and their shards handed back as done once whole."""
+        numbers = self._refill_plan()[0] if self.refill else list(self.indices(step))
+        if self.refill:
+            self.cursor = numbers[-1] + 1 if numbers else self.cursor
+            self.lost -= set(numbers)
+            self.last_drawn, self.last_dropped = len(numbers), 0
         tables = []
-        for index in self.indices(step):
+        for index in numbers:
             table = self._groups.pop(index, None)
             if table is None:
                 continue
-            tables.append(table)
+            if self.refill and not informative(table.column("reward").to_pylist()):
+                self.last_dropped += 1
+            else:
+                tables.append(table)
             name = self._shard_of.pop(index)
             self._open[name].discard(index)
             if not self._open[name]:

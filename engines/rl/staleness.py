@@ -185,6 +185,16 @@ class StalenessGate:
             self._take(ticket, "finish")
             self._accepted += 1
 
+    def release(self, groups: int = 1) -> None:
+        """Accepted groups that take no place in any batch after all (dynamic sampling:
+        their rewards were all equal): their slots are given back. A group admitted
+        later still has fewer than (i + eta + 1) * B groups before it that can be
+        trained, so the bound holds for the batch it lands in."""
+        if groups < 0:
+            raise ValueError(f"groups must be >= 0, got {groups}")
+        with self._lock:
+            self._accepted = max(0, self._accepted - groups)
+
     def abandon(self, ticket: int) -> None:
         """The group was rejected or aborted: its slot is freed for a new group."""
         with self._lock:

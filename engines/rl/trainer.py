@@ -59,6 +59,12 @@ from sluice.engines.rl.trainer_files import (
     write_tokenizer_files,
 )
 
+StepGuard = Callable[[dict[str, float]], bool]
+"""Asked during `train_step` whether the update may go on: once with the π_prox pass's
+mismatch metrics, before any weight changes, and (torch backend) before each optimizer
+step with ``{"train/grad_norm": its pre-clip norm}``. False leaves the rest of the step
+unapplied (``train/applied_minibatches`` says how many were)."""
+
 MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
 micro-batch's token sum over the minibatch's token count."""
@@ -69,6 +75,8 @@ class PolicyTrainer:
 
     backend = "torch"
     """``trainer.backend`` value of this class; recorded with every saved version."""
+    _guard: StepGuard | None = None
+    _refused = False
 
     def __init__(
         self,
@@ -178,7 +186,10 @@ class PolicyTrainer:
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         )
-        if math.isfinite(grad_norm):
+        if self._guard is not None and not self._guard({"train/grad_norm": grad_norm}):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._refused = True
+        elif math.isfinite(grad_norm):
             self.optimizer.step()
         return grad_norm, parts
 
@@ -307,8 +318,11 @@ class PolicyTrainer:
 
         return loss_of
 
-    def train_step(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
-        """One policy update over `samples`; returns plain-float metrics."""
+    def train_step(
+        self, samples: Sequence[TrainingSample], guard: StepGuard | None = None
+    ) -> dict[str, float]:
+        """One policy update over `samples`; returns plain-float metrics. `guard` may
+        refuse the update (see `StepGuard`)."""
         started = time.perf_counter()
         batch = self.make_batch(samples)
         n = len(batch.sequences)
@@ -334,6 +348,7 @@ class PolicyTrainer:
             corrected_loss_mask=corrected_mask,
         )
 
+        self._guard, self._refused = guard, guard is not None and not guard(dict(metrics))
         order = torch.randperm(n, generator=self._generator).tolist()
         minibatches = [
             order[k :: self.settings.ppo_minibatches] for k in range(self.settings.ppo_minibatches)
@@ -341,7 +356,10 @@ class PolicyTrainer:
         loss_parts: list[dict[str, torch.Tensor]] = []
         grad_norms = []
         micro_batch_count = 0
+        applied = 0
         for minibatch in minibatches:
+            if self._refused:
+                break
             if not minibatch:
                 continue
             plan = self._micro_batches(batch, minibatch)
@@ -361,8 +379,11 @@ class PolicyTrainer:
             grad_norm, parts = self._optimizer_step(packed, token_counts, loss_of)
             grad_norms.append(grad_norm)
             loss_parts.extend(parts)
-        self.steps_done += 1
-        metrics.update(merge_micro_batch_metrics(loss_parts))
+            applied += not self._refused
+        self._guard = None
+        self.steps_done += applied > 0
+        if loss_parts:  # none when the guard refused the update before any gradient
+            metrics.update(merge_micro_batch_metrics(loss_parts))
         # Each minibatch's loss sums to its own token mean: report the mean over minibatches.
         metrics["loss/policy_loss"] = metrics.get("loss/policy_loss", 0.0) / max(
             1, len(minibatches)
@@ -378,6 +399,7 @@ class PolicyTrainer:
                 "train/response_tokens": float(batch.response_offsets[-1]),
                 "train/trained_tokens": float(trained_tokens),
                 "train/micro_batches": float(micro_batch_count),
+                "train/applied_minibatches": float(applied),
                 "train/step_time_s": elapsed,
                 "train/proximal_time_s": prox_time,
                 "train/trained_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,

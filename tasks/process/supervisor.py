@@ -39,7 +39,9 @@ from sluice.tasks.role import (
     DAMAGED_MARK,
     EXIT_CANNOT_START,
     EXIT_DAMAGED,
+    EXIT_WATCHDOG,
     OUTAGE_MARK,
+    WATCHDOG_MARK,
 )
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -78,6 +80,13 @@ class CheckpointDamaged(RunStopped):
     commit (outside Sluice): the run stops until it is restored."""
 
     exit_code = EXIT_DAMAGED
+
+
+class WatchdogStopped(RunStopped):
+    """The mismatch watchdog fired with action `stop` (`trainer.watchdog`): the run
+    stops at its last good version, to be continued with `--resume`."""
+
+    exit_code = EXIT_WATCHDOG
 
 
 class StopWithoutTraceback(logging.Filter):
@@ -272,6 +281,11 @@ def supervise_role(
                 f"run {run_id} stopped: the {role} role "
                 f"{_marked_line(log_path, CANNOT_START_MARK)} (log: {log_path}). Fix that, "
                 f"then {how_to_continue(role, run_id)}"
+            )
+        if code == EXIT_WATCHDOG:
+            raise WatchdogStopped(
+                f"run {run_id} stopped by the {_marked_line(log_path, WATCHDOG_MARK)}. See "
+                f"its signal in MLflow (watchdog/*), then {how_to_continue(role, run_id)}"
             )
         if code != EXIT_OUTAGE:
             raise RoleFailed(

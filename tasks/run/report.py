@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
+from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import (
     end_run,
     get_metric_history,
@@ -27,7 +28,8 @@ from sluice.infra.tracking import (
     log_figure_png,
     run_ui_url,
 )
-from sluice.tasks.run.paths import registered_model_name, run_registry
+from sluice.tasks.run.paths import registered_model_name, run_paths, run_registry
+from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import role_threads
 
 REWARD_CURVE_ARTIFACT = "plots/reward_curve.png"
@@ -253,7 +255,23 @@ def summarise(
     if wall:
         result["train_wall_time_s"] = wall[-1][1]
     result["core_split"] = core_split(config, uri, mlflow_run_id, sync=sync)
+    train = read_statuses(config, run_paths(config, run_id)).get("train", {})
+    result["watchdog"] = {
+        "firings": train.get("watchdog_firings", 0),
+        "by_signal": train.get("watchdog_by_signal", {}),
+        "groups_skipped": train.get("groups_skipped", 0),
+    }
     return result
+
+
+def watchdog_line(watchdog: dict[str, Any]) -> str:
+    """The summary's line on the mismatch watchdog."""
+    by_signal = ", ".join(f"{name} {n}" for name, n in sorted(watchdog["by_signal"].items()))
+    return (
+        f"- mismatch watchdog: {watchdog['firings']} firing(s)"
+        + (f" ({by_signal})" if by_signal else "")
+        + f", {watchdog['groups_skipped']} group(s) skipped"
+    )
 
 
 @task(name="publish-summary", cache_policy=NO_CACHE, persist_result=False)
@@ -290,7 +308,9 @@ def publish_summary(
         f"- held-out reward: **{start if start is None else f'{start:.3f}'}** → **{final if final is None else f'{final:.3f}'}**",
         f"- policy versions committed: {result['policy_versions']} (newest: {result['final_policy_version']})",
         f"- staleness bound η = {cfg.staleness.max_staleness}, interruptible = {cfg.rollout.interruptible}",
+        *([f"- {describe_mode(cfg)}"] if cfg.mode else []),
         f"- effective training throughput: {result.get('effective_tokens_per_s', float('nan')):.0f} trained tokens/s",
+        watchdog_line(result["watchdog"]),
         f"- checkpoint: `{result['checkpoint_uri']}`",
         f"- MLflow run: {result['mlflow_run_url']} (`mlflow ui --backend-store-uri {cfg.tracking.uri}`)",
         f"- reward curves: `{curves}` in the MLflow run",

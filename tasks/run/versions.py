@@ -99,20 +99,43 @@ def save_version(trainer: PolicyTrainer, local: Path, version: int) -> SavedVers
     return saved
 
 
-def write_consumed(config: RunConfig, paths: RunPaths, version: int, names: list[str]) -> None:
-    """Record the scored shards `version` trained on (one atomic object)."""
+def write_consumed(
+    config: RunConfig,
+    paths: RunPaths,
+    version: int,
+    names: list[str],
+    next_group: int | None = None,
+) -> None:
+    """Record the scored shards `version` trained on (one atomic object), and with
+    dynamic sampling the first issue number no batch up to `version` took."""
     fs, path = open_checkpoint_fs(paths.consumed(version), config.storage.options)
-    put_atomic(fs, path, json.dumps(names).encode())
+    record: list[str] | dict[str, Any] = names
+    if next_group is not None:
+        record = {"shards": names, "next_group": next_group}
+    put_atomic(fs, path, json.dumps(record).encode())
+
+
+def _consumed_record(config: RunConfig, paths: RunPaths, version: CommittedVersion) -> Any:
+    record = read_json(config, paths.consumed(version.policy_version))
+    if record is None:  # published before the list moved out of the policy directory
+        record = read_json(config, f"{version.checkpoint_uri}/{CONSUMED_FILE}")
+    return record
 
 
 def read_consumed(config: RunConfig, paths: RunPaths, version: CommittedVersion) -> list[str]:
     """The scored shards committed `version` trained on ([] for version 0 or when none
-    were recorded); read from the policy directory for versions published before
-    the list moved out of it."""
-    names = read_json(config, paths.consumed(version.policy_version))
-    if names is None:
-        names = read_json(config, f"{version.checkpoint_uri}/{CONSUMED_FILE}")
-    return list(names or [])
+    were recorded)."""
+    record = _consumed_record(config, paths, version)
+    return list((record.get("shards") if isinstance(record, dict) else record) or [])
+
+
+def read_next_group(config: RunConfig, paths: RunPaths, version: CommittedVersion) -> int | None:
+    """The first issue number no batch up to `version` took, as a dynamic-sampling run
+    recorded it (None: not recorded; every batch was B numbers)."""
+    if version.policy_version == 0:
+        return 0
+    record = _consumed_record(config, paths, version)
+    return int(record["next_group"]) if isinstance(record, dict) else None
 
 
 def fetch_update(

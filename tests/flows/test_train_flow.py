@@ -61,6 +61,9 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     held_out = get_metric_history(config.tracking.uri, result["mlflow_run_id"], "eval/reward")
     assert held_out[0][0] == 0 and held_out[-1][0] == 3
 
+    # A clean run: the mismatch watchdog (on, warning, by default) never fired.
+    assert result["watchdog"] == {"firings": 0, "by_signal": {}, "groups_skipped": 0}
+
     # Prefect: summary and per-version table artifacts on the flow run.
     keys = {a.key for a in flow_run_artifacts(state.state_details.flow_run_id)}
     assert {"run-summary", "policy-versions"} <= keys
