@@ -118,6 +118,21 @@ def score_after(
     return curves, lines
 
 
+def run_train(command: list[str], workdir: Path, what: str) -> tuple[float, float]:
+    """Run `command` (a `sluice train`) in `workdir`, its output to `workdir/train.log`;
+    returns (its start as wall-clock time, its seconds). Exits naming `what` and showing
+    the log's end if it fails."""
+    started_at, started = time.time(), time.monotonic()
+    log = workdir / "train.log"
+    with log.open("w") as out:
+        done = subprocess.run(command, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        print(log.read_text()[-3000:])
+        raise SystemExit(f"{what}: sluice train exited {done.returncode}")
+    return started_at, wall
+
+
 def role_figures(workdir: Path) -> list[str]:
     """Peak memory, throughput and pace from the run's status documents."""
     from sluice.flows.run_dirs import resolve_run
@@ -159,15 +174,7 @@ def run_seed(
         command = ["sluice", "train", *([config] if config else []), "--set", f"seed={seed}"]
         for item in [*overrides, *(["evaluation.during_run=false"] if after else [])]:
             command += ["--set", item]
-        started_at = time.time()
-        started = time.monotonic()
-        log = workdir / "train.log"
-        with log.open("w") as out:
-            done = subprocess.run(command, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
-        wall = time.monotonic() - started
-        if done.returncode != 0:
-            print(log.read_text()[-3000:])
-            raise SystemExit(f"seed {seed}: sluice train exited {done.returncode}")
+        started_at, wall = run_train(command, workdir, f"seed {seed}")
         for line in role_figures(workdir):
             print(f"seed {seed}  {line}", flush=True)
         if not after:

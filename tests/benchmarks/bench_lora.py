@@ -27,17 +27,19 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.benchmarks.bench_default_run import absolute_stores, score_after  # noqa: E402
+from tests.benchmarks.bench_default_run import (  # noqa: E402
+    absolute_stores,
+    run_train,
+    score_after,
+)
 
 LORA = ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=2e-4"]
 SCORING = ["evaluation.num_prompts=128", "evaluation.samples=2"]
@@ -84,14 +86,7 @@ def run_arm(
         command = ["sluice", "train", "reasoning_gym", "--set", f"seed={seed}"]
         for item in [*overrides, "evaluation.during_run=false"]:
             command += ["--set", item]
-        started_at, started = time.time(), time.monotonic()
-        log = workdir / "train.log"
-        with log.open("w") as out:
-            done = subprocess.run(command, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
-        wall = time.monotonic() - started
-        if done.returncode != 0:
-            print(log.read_text()[-3000:])
-            raise SystemExit(f"{arm} seed {seed}: sluice train exited {done.returncode}")
+        started_at, wall = run_train(command, workdir, f"{arm} seed {seed}")
         result = {"wall_s": wall, **figures(workdir)}
         curves, lines = score_after(workdir, started_at, eval_overrides, within_s)
         for line in lines:

@@ -27,15 +27,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.benchmarks.bench_default_run import absolute_stores, score_after  # noqa: E402
+from tests.benchmarks.bench_default_run import (  # noqa: E402
+    absolute_stores,
+    run_train,
+    score_after,
+)
 
 DROP = 0.05
 """How far below its best held-out reward a run must fall to count as degrading."""
@@ -92,14 +94,7 @@ def run_arm(arm: str, seed: int, settings: list[str], steps: int) -> dict[str, A
             *settings,
         ]:
             command += ["--set", item]
-        started_at, started = time.time(), time.monotonic()
-        log = workdir / "train.log"
-        with log.open("w") as out:
-            done = subprocess.run(command, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
-        wall = time.monotonic() - started
-        if done.returncode != 0:
-            print(log.read_text()[-3000:])
-            raise SystemExit(f"{arm} seed {seed}: sluice train exited {done.returncode}")
+        started_at, wall = run_train(command, workdir, f"{arm} seed {seed}")
         fired, status = firings(workdir)
         curves, _ = score_after(workdir, started_at, [], within_s=float("inf"))
     curve = curves["eval/reward"]
