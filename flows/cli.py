@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="LABEL",
         help="async-vs-sync: run only this variant, e.g. 'sync' or 'async η=4 interrupt'; "
-        "time-to-target: only this contender, 'sync', 'async η=1' or 'async η=4' (repeatable)",
+        "time-to-target: only this contender, 'sync', 'async η=1', 'async η=4', or 'async "
+        "η=config' and 'async η=config dynamic' (the config's η, without and with dynamic "
+        "sampling; run only when named) (repeatable)",
     )
     bench.add_argument(
         "--horizon",
@@ -166,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
     """Study options that cannot apply fail here, before anything is imported or run."""
-    from sluice.flows.bench.study_stats import VARIED_KEYS
+    from sluice.flows.bench.study_stats import VARIED_KEYS, contender_keys
 
     allowed = {
         ("variants", "--variant"): {"async-vs-sync", "time-to-target"},
@@ -203,6 +205,13 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
         if key in explicit:
             raise ConfigError(
                 f"'sluice bench {args.name}' sets {key} in every cell; choose values with {flag}"
+            )
+    if args.name == "time-to-target":
+        for key in sorted(contender_keys(args.variants) & explicit):
+            raise ConfigError(
+                f"'sluice bench time-to-target' contenders {args.variants or 'by default'} set "
+                f"{key} themselves; choose contenders with --variant (the 'η=config' ones "
+                "keep the config's η)"
             )
     if args.name == "mismatch" and not config.trainer.loss.decoupled:
         raise ConfigError(

@@ -33,23 +33,38 @@ OBJECTIVES: dict[str, bool] = {"decoupled": True, "naive": False}
 STALENESS_ETAS: tuple[int, ...] = (0, 1, 2, 4, 8)
 MISMATCH_MODES: tuple[str, ...] = ("none", "token_tis", "sequence_mis", "geometric_rs")
 
-TIME_TO_TARGET_CONTENDERS: dict[str, tuple[str, int]] = {
-    "sync": ("sync", 0),
-    "async η=1": ("async", 1),
-    "async η=4": ("async", 4),
+TIME_TO_TARGET_CONTENDERS: dict[str, tuple[str, int | None, dict[str, Any]]] = {
+    "sync": ("sync", 0, {}),
+    "async η=1": ("async", 1, {}),
+    "async η=4": ("async", 4, {}),
+    "async η=config": ("async", None, {}),
+    "async η=config dynamic": ("async", None, {"trainer.dynamic_sampling": True}),
 }
-"""`sluice bench time-to-target` contenders: label -> (mode, max staleness η)."""
+"""`sluice bench time-to-target` contenders: label -> (mode, max staleness η or None for
+the config's own, settings the contender adds). The last two compare dynamic sampling
+with refill against the config as it is, so they run only when named (`--variant`)."""
+TIME_TO_TARGET_DEFAULT: tuple[str, ...] = ("sync", "async η=1", "async η=4")
+"""The contenders `sluice bench time-to-target` runs when none is named."""
 
 # The config keys each study sets per cell; a --set of one of them would be overwritten
 # in every cell, so the CLI refuses it and names the study option to use instead.
 VARIED_KEYS: dict[str, dict[str, str]] = {
-    "time-to-target": {
-        "staleness.max_staleness": "--variant",
-        "trainer.time_budget_s": "--horizon",
-    },
+    # time-to-target's contenders also set η (where fixed) and their own settings:
+    # `contender_keys` names those, for the contenders chosen.
+    "time-to-target": {"trainer.time_budget_s": "--horizon"},
     "staleness": {"staleness.max_staleness": "--eta", "trainer.loss.decoupled": "--objective"},
     "mismatch": {"trainer.correction.mode": "--mode"},
 }
+
+
+def contender_keys(labels: Sequence[str] | None) -> set[str]:
+    """The config keys the time-to-target contenders `labels` (None: the default ones)
+    set in their runs, so a `--set` of one of them would be overwritten."""
+    keys: set[str] = set()
+    for label in labels or TIME_TO_TARGET_DEFAULT:
+        _, eta, settings = TIME_TO_TARGET_CONTENDERS[label]
+        keys |= set(settings) | ({"staleness.max_staleness"} if eta is not None else set())
+    return keys
 
 
 @dataclass(frozen=True)

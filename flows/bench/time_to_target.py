@@ -47,7 +47,11 @@ from sluice.flows.bench.async_vs_sync import (
     with_settings,
 )
 from sluice.flows.bench.studies import pin_initial_policy
-from sluice.flows.bench.study_stats import TIME_TO_TARGET_CONTENDERS, mean_std
+from sluice.flows.bench.study_stats import (
+    TIME_TO_TARGET_CONTENDERS,
+    TIME_TO_TARGET_DEFAULT,
+    mean_std,
+)
 from sluice.infra.config import RunConfig
 from sluice.infra.tracking import get_metric_history
 
@@ -88,11 +92,15 @@ class Contender:
     label: str
     mode: str
     """`sync` (colocated, flows/train_sync.py) or `async` (flows/train.py)."""
-    max_staleness: int = 0
+    max_staleness: int | None = 0
+    """η; None keeps the config's."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Config keys the contender sets on top of the run's, e.g. dynamic sampling."""
 
 
 CONTENDERS: tuple[Contender, ...] = tuple(
-    Contender(label, mode, eta) for label, (mode, eta) in TIME_TO_TARGET_CONTENDERS.items()
+    Contender(label, mode, eta, dict(settings))
+    for label, (mode, eta, settings) in TIME_TO_TARGET_CONTENDERS.items()
 )
 
 
@@ -114,6 +122,8 @@ class Trial:
     trainer_idle_ratio: float | None = None
     rollout_idle_ratio: float | None = None
     staleness_mean: float | None = None
+    extra_groups_per_batch: float | None = None
+    """Dynamic sampling's cost: groups generated and dropped per training batch."""
 
 
 def newest_at(times: Sequence[tuple[int, float]], at_s: float) -> int | None:
@@ -209,12 +219,18 @@ def eval_config(config: RunConfig) -> RunConfig:
 def run_config(
     base: RunConfig, contender: Contender, tag: str, seed: int, horizon_s: float
 ) -> RunConfig:
+    eta = (
+        {}
+        if contender.max_staleness is None
+        else {"staleness.max_staleness": contender.max_staleness}
+    )
     return with_settings(
         base,
         {
             "name": f"ttt-{tag}-{label_slug(contender.label)}-s{seed}",
             "seed": seed,
-            "staleness.max_staleness": contender.max_staleness,
+            **eta,
+            **contender.settings,
             "trainer.time_budget_s": horizon_s,
             # Any version may be scored after the run (the refining search picks them).
             "storage.keep_versions": 0,
@@ -258,6 +274,7 @@ def run_trial(
         trainer_idle_ratio=last("train/idle_ratio"),
         rollout_idle_ratio=last("rollout/idle_ratio"),
         staleness_mean=(sum(v for _, v in staleness) / len(staleness)) if staleness else None,
+        extra_groups_per_batch=last("dynamic_sampling/extra_groups_per_batch"),
     )
     trial.time_to_target_s = time_to_target(times, scored.score, target, grid)
     for at_s in fixed_times:
@@ -280,21 +297,25 @@ def summary_table(
     trials: Sequence[Trial], target: float, horizon_s: float, fixed_times: Sequence[float]
 ) -> str:
     labels = list(dict.fromkeys(t.label for t in trials))
-    sync_time = mean_std(t.time_to_target_s for t in trials if t.label == "sync").mean
+    # The ratio's numerator: the sync baseline where it ran, else the first contender
+    # (e.g. the config without dynamic sampling, against the config with it).
+    baseline = "sync" if "sync" in labels else labels[0]
+    base_time = mean_std(t.time_to_target_s for t in trials if t.label == baseline).mean
     fixed = [f"{t:g}" for t in fixed_times if t <= horizon_s]
     lines = [
-        f"| contender | seeds | reached | time to {target:.3f} (s) | sync time / time "
+        f"| contender | seeds | reached | time to {target:.3f} (s) | {baseline} time / time "
         + "".join(f"| reward @{t} s " for t in fixed)
-        + "| steps by horizon | v0 committed (s) | trainer idle | rollout idle |",
-        "|---|---|---|---|---|" + "---|" * len(fixed) + "---|---|---|---|",
+        + "| steps by horizon | v0 committed (s) | trainer idle | rollout idle "
+        + "| extra groups / batch |",
+        "|---|---|---|---|---|" + "---|" * len(fixed) + "---|---|---|---|---|",
     ]
     for label in labels:
         mine = [t for t in trials if t.label == label]
         reached = [t for t in mine if t.time_to_target_s is not None]
         time_stats = mean_std(t.time_to_target_s for t in reached)
         ratio = (
-            sync_time / time_stats.mean
-            if sync_time and time_stats.mean and len(reached) == len(mine)
+            base_time / time_stats.mean
+            if base_time and time_stats.mean and len(reached) == len(mine)
             else None
         )
         time_text = time_stats.format(".0f")
@@ -309,7 +330,8 @@ def summary_table(
             + f"| {mean_std(t.steps for t in mine).format('.0f')} "
             f"| {mean_std(t.v0_at_s for t in mine).format('.1f')} "
             f"| {mean_std(t.trainer_idle_ratio for t in mine).format('.2f')} "
-            f"| {mean_std(t.rollout_idle_ratio for t in mine).format('.2f')} |"
+            f"| {mean_std(t.rollout_idle_ratio for t in mine).format('.2f')} "
+            f"| {mean_std(t.extra_groups_per_batch for t in mine).format('.2f')} |"
         )
     return "\n".join(lines)
 
@@ -397,7 +419,7 @@ def bench_time_to_target(
     from sluice.tasks.evaluate import evaluate_model_dir
 
     logger = get_run_logger()
-    chosen = choose(list(CONTENDERS), contenders, "contender")
+    chosen = choose(list(CONTENDERS), list(contenders or TIME_TO_TARGET_DEFAULT), "contender")
     tag = bench_tag()
     config = pin_initial_policy(config)
     scoring = eval_config(config)

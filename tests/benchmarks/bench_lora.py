@@ -19,7 +19,7 @@ storage: the adapter for LoRA, the model for full) and the seconds from a versio
 commit to every server holding it (median over the run's weight updates).
 
 Run: ``python tests/benchmarks/bench_lora.py --model DIR [--seeds 0 1 2] [--minutes 30]
-[--set key=value ...] [--lora-set key=value ...] [--eval-set key=value ...]``
+[--arms full lora] [--set key=value ...] [--lora-set key=value ...] [--eval-set key=value ...]``
 """
 
 from __future__ import annotations
@@ -105,6 +105,13 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--lora-set", dest="lora", action="append", default=None)
     parser.add_argument("--eval-set", dest="eval_overrides", action="append", default=None)
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=["full", "lora"],
+        default=["full", "lora"],
+        help="run only these arms (to rerun one arm of a seed)",
+    )
     args = parser.parse_args()
     window = args.minutes * 60
     base = [
@@ -125,7 +132,7 @@ def main() -> None:
     rows: list[tuple[str, int, dict[str, Any]]] = []
     for seed in args.seeds:
         order = ["full", "lora"] if seed % 2 == 0 else ["lora", "full"]
-        for arm in order:
+        for arm in [a for a in order if a in args.arms]:
             rows.append((arm, seed, run_arm(arm, seed, arms[arm], scoring, window)))
     print()
     print(

@@ -51,6 +51,22 @@ def test_study_options_parse_into_cells_and_seeds():
             ["bench", "time-to-target", "--set", "trainer.time_budget_s=10"],
             "choose values with --horizon",
         ),
+        # The default contenders fix η; the dynamic one sets dynamic sampling itself.
+        (
+            ["bench", "time-to-target", "--set", "staleness.max_staleness=2"],
+            "set staleness.max_staleness themselves",
+        ),
+        (
+            [
+                "bench",
+                "time-to-target",
+                "--variant",
+                "async η=config dynamic",
+                "--set",
+                "trainer.dynamic_sampling=false",
+            ],
+            "set trainer.dynamic_sampling themselves",
+        ),
     ],
 )
 def test_study_options_that_cannot_apply_fail_with_one_line(argv, message, capsys):
@@ -119,3 +135,17 @@ def test_every_seed_of_a_cell_is_its_own_named_run_from_the_same_initial_policy(
     assert [c.name for c in configs] == [f"staleness-T-eta8-naive-s{s}" for s in (10, 11, 12)]
     assert all(c.staleness.max_staleness == 8 and not c.trainer.loss.decoupled for c in configs)
     assert all(c.model.path == str(tmp_path) for c in configs)
+
+
+def test_time_to_target_contenders_that_keep_the_configs_eta_let_it_be_set(monkeypatch):
+    calls = []
+    fake = types.ModuleType("sluice.flows.bench.time_to_target")
+    fake.TTT_DEFAULTS = {}
+    fake.bench_time_to_target = lambda config, contenders, **options: calls.append(
+        (config.staleness.max_staleness, contenders)
+    )
+    monkeypatch.setitem(sys.modules, "sluice.flows.bench.time_to_target", fake)
+    variants = ["--variant", "async η=config", "--variant", "async η=config dynamic"]
+    argv = ["bench", "time-to-target", *variants, "--set", "staleness.max_staleness=3"]
+    assert main(argv) == 0
+    assert calls == [(3, ["async η=config", "async η=config dynamic"])]

@@ -93,6 +93,35 @@ def test_summary_table_divides_sync_time_by_each_contenders_time() -> None:
     assert "| - |" in rows["async η=1"]
 
 
+def test_without_sync_the_first_contender_is_the_baseline_and_the_cost_is_shown() -> None:
+    trials = [_trial("async η=config", s, t) for s, t in ((0, 90.0), (1, 110.0))]
+    for seed, seconds, extra in ((0, 40.0, 1.5), (1, 60.0, 2.5)):
+        trial = _trial("async η=config dynamic", seed, seconds)
+        trial.extra_groups_per_batch = extra
+        trials.append(trial)
+    table = summary_table(trials, target=0.35, horizon_s=300, fixed_times=[60])
+    assert "| async η=config time / time |" in table.splitlines()[0]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "| 2.00 |" in rows["async η=config dynamic"]  # 100 / 50
+    assert rows["async η=config dynamic"].endswith("| 2.00 ± 0.71 |")
+    assert rows["async η=config"].endswith("| - |")
+
+
+def test_contenders_keeping_the_configs_eta_add_only_their_settings() -> None:
+    from sluice.flows.bench.time_to_target import CONTENDERS, run_config
+    from sluice.infra.config import load_config
+
+    base = load_config(None, ["staleness.max_staleness=3"])
+    by_label = {c.label: c for c in CONTENDERS}
+    plain = run_config(base, by_label["async η=config"], "t", 1, 60.0)
+    dynamic = run_config(base, by_label["async η=config dynamic"], "t", 1, 60.0)
+    fixed = run_config(base, by_label["async η=1"], "t", 1, 60.0)
+    assert (plain.staleness.max_staleness, dynamic.staleness.max_staleness) == (3, 3)
+    assert fixed.staleness.max_staleness == 1
+    assert not plain.trainer.dynamic_sampling and dynamic.trainer.dynamic_sampling
+    assert plain.seed == dynamic.seed == 1 and plain.name != dynamic.name
+
+
 def test_curve_table_averages_the_step_curves_of_the_seeds() -> None:
     a = _trial("sync", 0, 20.0)
     a.curve = [(5.0, 0, 0.1), (20.0, 10, 0.3)]
