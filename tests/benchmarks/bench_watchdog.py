@@ -4,8 +4,9 @@ falls, does `skip` or a correction mode keep the run up, and is it quiet on a cl
 Per seed, in one invocation, four arms of the real `sluice train` (the default job),
 each in a new temporary directory:
 
-- ``clean``: no injected mismatch, everything as shipped (the watchdog warns). Every
-  firing here is a false alarm.
+- ``clean``: no injected mismatch, everything as shipped (the watchdog warns), for the
+  default job's whole length (``--steps`` does not apply). Every firing here is a false
+  alarm.
 - ``noisy``: the inference engine serves its weights with relative noise σ
   (``rollout.weight_noise_std``), no rollout correction, the watchdog warns: the arm that
   should degrade, and the one the "fires first" question is asked of.
@@ -32,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.benchmarks.bench_default_run import (  # noqa: E402
     absolute_stores,
@@ -54,8 +57,15 @@ def arms(noise: float, correction: str) -> dict[str, list[str]]:
     }
 
 
-def firings(workdir: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
-    """Every (step, signal) the watchdog logged, and the train status's counts."""
+TRACED = ("mismatch/kl_k3", "mismatch/log_ppl_abs_diff", "train/grad_norm")
+"""Signals whose course each arm prints (median of its first and last ten steps)."""
+
+
+def firings(
+    workdir: Path,
+) -> tuple[list[tuple[int, str]], dict[str, Any], dict[str, str]]:
+    """Every (step, signal) the watchdog logged, the train status's counts, and the
+    course of the traced signals."""
     from sluice.flows.run_dirs import resolve_run
     from sluice.infra.config import load_config
     from sluice.infra.tracking import get_metric_history
@@ -70,7 +80,13 @@ def firings(workdir: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
         for signal in SIGNALS
         for step, _ in get_metric_history(config.tracking.uri, mlflow_run, f"watchdog/{signal}")
     )
-    return fired, read_statuses(config, run_paths(config, run_id)).get("train", {})
+    course = {}
+    for metric in TRACED:
+        values = [v for _, v in get_metric_history(config.tracking.uri, mlflow_run, metric)]
+        if values:
+            first, last = np.median(values[:10]), np.median(values[-10:])
+            course[metric.rpartition("/")[2]] = f"{first:.3g} → {last:.3g}"
+    return fired, read_statuses(config, run_paths(config, run_id)).get("train", {}), course
 
 
 def first_drop(curve: list[tuple[int, float]]) -> int | None:
@@ -87,15 +103,17 @@ def run_arm(arm: str, seed: int, settings: list[str], steps: int) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix=f"sluice-watchdog-{arm}-{seed}-") as scratch:
         workdir = Path(scratch)
         command = ["sluice", "train", "--set", f"seed={seed}"]
+        # The clean arm is the default job whole (its false alarms are the question);
+        # the noisy arms stop at `steps`.
         for item in [
-            f"trainer.total_steps={steps}",
+            *([f"trainer.total_steps={steps}"] if arm != "clean" else []),
             "evaluation.every=5",
             "evaluation.during_run=false",
             *settings,
         ]:
             command += ["--set", item]
         started_at, wall = run_train(command, workdir, f"{arm} seed {seed}")
-        fired, status = firings(workdir)
+        fired, status, course = firings(workdir)
         curves, _ = score_after(workdir, started_at, [], within_s=float("inf"))
     curve = curves["eval/reward"]
     best_version, best = max(curve, key=lambda point: point[1])
@@ -110,6 +128,7 @@ def run_arm(arm: str, seed: int, settings: list[str], steps: int) -> dict[str, A
         "final": f"v{curve[-1][0]} {curve[-1][1]:.3f}",
         "firings": status.get("watchdog_firings", 0),
         "skipped_groups": status.get("groups_skipped", 0),
+        **course,
         "curve": curve,
     }
     print(f"{arm:9s} seed {seed}  {result}", flush=True)
@@ -137,11 +156,22 @@ def main() -> None:
         for arm in chosen:
             rows.append((arm, seed, run_arm(arm, seed, settings[arm], args.steps)))
     print()
-    columns = ("best", "drop", "first_firing", "fired_first", "final", "firings", "skipped_groups")
+    columns = (
+        "best",
+        "drop",
+        "first_firing",
+        "fired_first",
+        "final",
+        "firings",
+        "skipped_groups",
+        "kl_k3",
+        "log_ppl_abs_diff",
+    )
     print("| arm | seed | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
     for arm, seed, result in rows:
-        print(f"| {arm} | {seed} | " + " | ".join(str(result[c]) for c in columns) + " |")
+        cells = " | ".join(str(result.get(c, "-")) for c in columns)
+        print(f"| {arm} | {seed} | {cells} |")
 
 
 if __name__ == "__main__":
