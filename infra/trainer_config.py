@@ -105,8 +105,8 @@ class WatchdogConfig(_Section):
     """Steps before those whose median is the baseline."""
     min_history: int = Field(10, ge=1)
     """Baseline steps needed before `spike` is judged (`limit` is judged from the first step)."""
-    kl_k3: WatchSignalConfig = WatchSignalConfig(spike=8.0, floor=1e-3)
-    """k3 estimate of KL(pi_behav || pi_prox) (`mismatch/kl_k3`)."""
+    kl_k3: WatchSignalConfig = WatchSignalConfig(limit=0.2, spike=8.0, floor=1e-3)
+    """k3 estimate of KL(pi_behav || pi_prox) (`mismatch/kl_k3`). The limit catches a mismatch present from the first step, which no baseline of the run's own can: a clean default run's largest step was 0.085 (median 0.008), an engine serving weights with 20% relative noise gave 0.27 from the start (docs/reports/2026-11-26-watchdog.md)."""
     log_ppl_gap: WatchSignalConfig = WatchSignalConfig(spike=5.0, floor=0.02)
     """|log PPL under the trainer - log PPL under the engine| (`mismatch/log_ppl_abs_diff`)."""
     grad_norm: WatchSignalConfig = WatchSignalConfig(spike=10.0, floor=1.0)

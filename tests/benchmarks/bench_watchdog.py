@@ -58,7 +58,8 @@ def arms(noise: float, correction: str) -> dict[str, list[str]]:
 
 
 TRACED = ("mismatch/kl_k3", "mismatch/log_ppl_abs_diff", "train/grad_norm")
-"""Signals whose course each arm prints (median of its first and last ten steps)."""
+"""Signals whose course each arm prints (median of its first and last ten steps, and
+the largest step)."""
 
 
 def firings(
@@ -85,7 +86,7 @@ def firings(
         values = [v for _, v in get_metric_history(config.tracking.uri, mlflow_run, metric)]
         if values:
             first, last = np.median(values[:10]), np.median(values[-10:])
-            course[metric.rpartition("/")[2]] = f"{first:.3g} → {last:.3g}"
+            course[metric.rpartition("/")[2]] = f"{first:.3g} → {last:.3g} (max {max(values):.3g})"
     return fired, read_statuses(config, run_paths(config, run_id)).get("train", {}), course
 
 
