@@ -79,7 +79,9 @@ class WatchSignalConfig(_Section):
     """How the mismatch watchdog judges one signal (docs/design.md, the watchdog)."""
 
     limit: float | None = None
-    """Absolute bound: any step whose value passes it fires (above it; below it for `ess`). None = no bound."""
+    """Absolute bound: a step whose value passes it fires (above it; below it for `ess`), once `limit_steps` steps in a row have. None = no bound."""
+    limit_steps: int = Field(1, ge=1)
+    """Steps in a row (this one included, fired or not) whose value must pass `limit` before it fires: 1 judges every step alone; more lets a single healthy outlier pass."""
     spike: float | None = Field(None, gt=1)
     """Fires when the mean of the last `watchdog.recent` steps is more than this many times the median of the `watchdog.window` steps before them (for `ess`: of 1 - ESS). None = judge by `limit` only."""
     floor: float = Field(0.0, ge=0)
@@ -105,8 +107,8 @@ class WatchdogConfig(_Section):
     """Steps before those whose median is the baseline."""
     min_history: int = Field(10, ge=1)
     """Baseline steps needed before `spike` is judged (`limit` is judged from the first step)."""
-    kl_k3: WatchSignalConfig = WatchSignalConfig(limit=0.2, spike=8.0, floor=1e-3)
-    """k3 estimate of KL(pi_behav || pi_prox) (`mismatch/kl_k3`). The limit catches a mismatch present from the first step, which no baseline of the run's own can: a clean default run's largest step was 0.085 (median 0.008), an engine serving weights with 20% relative noise gave 0.27 from the start (docs/reports/2026-11-26-watchdog.md)."""
+    kl_k3: WatchSignalConfig = WatchSignalConfig(limit=0.2, limit_steps=3, spike=8.0, floor=1e-3)
+    """k3 estimate of KL(pi_behav || pi_prox) (`mismatch/kl_k3`). The limit catches a mismatch present from the first step, which no baseline of the run's own can; three steps in a row, because clean default runs had single steps up to 0.89 (medians about 0.01), while an engine serving weights with 50% relative noise gives about 2 on every step (docs/reports/2026-11-26-watchdog.md)."""
     log_ppl_gap: WatchSignalConfig = WatchSignalConfig(spike=5.0, floor=0.02)
     """|log PPL under the trainer - log PPL under the engine| (`mismatch/log_ppl_abs_diff`)."""
     grad_norm: WatchSignalConfig = WatchSignalConfig(spike=10.0, floor=1.0)

@@ -11,7 +11,8 @@ Every signal is judged on its *badness*, a number that grows as the step gets wo
 metric itself, or 1 − ESS for the effective sample size (whose bad direction is down).
 A signal fires on a step when
 
-- its badness passes ``limit`` (an absolute bound, judged on every step), or
+- its badness passes ``limit`` (an absolute bound, judged on every step) on this step
+  and on the ``limit_steps`` − 1 steps before it, fired or not (1: this step alone), or
 - the mean badness of the last ``recent`` steps (this one included) is more than
   ``spike`` times the median of the ``window`` steps before them, and above ``floor``
   (judged once ``min_history`` earlier steps are known).
@@ -61,6 +62,8 @@ class SignalRule:
     """The training metric it reads (``mismatch/kl_k3``)."""
     limit: float | None = None
     """Absolute bound on the badness (None = none)."""
+    limit_steps: int = 1
+    """Steps in a row (this one included) that must pass `limit` before it fires."""
     spike: float | None = None
     """Ratio of the recent mean badness to its rolling median that fires (None = none)."""
     floor: float = 0.0
@@ -77,6 +80,7 @@ def signal_rule(
     name: str,
     *,
     limit: float | None = None,
+    limit_steps: int = 1,
     spike: float | None = None,
     floor: float = 0.0,
     action: Action = "warn",
@@ -87,7 +91,9 @@ def signal_rule(
     metric, inverted = SIGNALS[name]
     if limit is not None and inverted:
         limit = 1.0 - limit
-    return SignalRule(name, metric, limit, spike, floor, action, inverted)
+    if limit_steps < 1:
+        raise ValueError(f"limit_steps must be at least 1, got {limit_steps}")
+    return SignalRule(name, metric, limit, limit_steps, spike, floor, action, inverted)
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,10 @@ class MismatchWatchdog:
         self.history: dict[str, deque[float]] = {
             name: deque(maxlen=window + recent - 1) for name in self.rules
         }
+        self.last: dict[str, deque[float]] = {
+            name: deque(maxlen=max(1, rule.limit_steps - 1)) for name, rule in self.rules.items()
+        }
+        """Each signal's badness on the steps just before, fired or not (for `limit_steps`)."""
 
     def rules_for(self, metrics: Mapping[str, float]) -> list[SignalRule]:
         return [r for r in self.rules.values() if _finite(metrics.get(r.metric))]
@@ -140,11 +150,13 @@ class MismatchWatchdog:
         return firings
 
     def record(self, metrics: Mapping[str, float], fired: Iterable[str] = ()) -> None:
-        """Remember the signals of a step that trained, except those that fired."""
+        """Remember the signals of a judged step: in the history unless they fired."""
         skip = set(fired)
         for rule in self.rules_for(metrics):
+            badness = rule.badness(float(metrics[rule.metric]))
+            self.last[rule.name].append(badness)
             if rule.name not in skip:
-                self.history[rule.name].append(rule.badness(float(metrics[rule.metric])))
+                self.history[rule.name].append(badness)
 
     def seed(self, metric: str, values: Iterable[float]) -> None:
         """Resume a signal's history from the values a run logged before a restart."""
@@ -155,10 +167,19 @@ class MismatchWatchdog:
 
     def _reason(self, rule: SignalRule, badness: float) -> str | None:
         shown = _shown(rule, badness)
-        if rule.limit is not None and badness > rule.limit:
+        before = (
+            list(self.last[rule.name])[-(rule.limit_steps - 1) :] if rule.limit_steps > 1 else []
+        )
+        if (
+            rule.limit is not None
+            and badness > rule.limit
+            and len(before) == rule.limit_steps - 1
+            and all(b > rule.limit for b in before)
+        ):
             bound = _shown(rule, rule.limit)
             side = "below" if rule.inverted else "above"
-            return f"{rule.metric} = {shown} is {side} its limit {bound}"
+            row = f" for {rule.limit_steps} steps in a row" if rule.limit_steps > 1 else ""
+            return f"{rule.metric} = {shown} is {side} its limit {bound}{row}"
         if rule.spike is None:
             return None
         earlier = list(self.history[rule.name])

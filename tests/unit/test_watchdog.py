@@ -31,6 +31,33 @@ def test_each_signal_fires_past_its_limit(name):
     assert ("below" if inverted else "above") in firing.reason and "0.4" in firing.reason
 
 
+def test_a_limit_over_several_steps_lets_one_outlier_pass_and_catches_a_mismatch_from_the_start():
+    rule = signal_rule("kl_k3", limit=0.2, limit_steps=3)
+    watchdog = MismatchWatchdog([rule])
+
+    def step(value, n):
+        fired = watchdog.judge({"mismatch/kl_k3": value}, step=n)
+        watchdog.record({"mismatch/kl_k3": value}, fired=[f.signal for f in fired])
+        return fired
+
+    # A clean run's outlier (one step at 0.89 among 0.01s) stays quiet.
+    assert [step(v, n) for n, v in enumerate([0.01, 0.89, 0.01, 0.01], 1)] == [[]] * 4
+    # Broken from the start: quiet for two steps, then every step fires, though each
+    # firing keeps its step out of the history (the limit reads the steps as they were).
+    watchdog = MismatchWatchdog([rule])
+    fired = [step(2.0, n) for n in range(1, 6)]
+    assert [len(f) for f in fired] == [0, 0, 1, 1, 1]
+    assert "for 3 steps in a row" in fired[2][0].reason
+    assert len(watchdog.history["kl_k3"]) == 2
+
+
+def test_the_shipped_kl_limit_needs_three_steps_in_a_row():
+    (rule,) = [r for r in build_watchdog(load_config()).rules.values() if r.name == "kl_k3"]
+    assert (rule.limit, rule.limit_steps) == (0.2, 3)
+    with pytest.raises(ValueError, match="limit_steps"):
+        signal_rule("kl_k3", limit=0.2, limit_steps=0)
+
+
 def test_a_lasting_climb_fires_and_one_noisy_step_does_not():
     rule = signal_rule("kl_k3", spike=8.0, floor=1e-3)
     watchdog = MismatchWatchdog([rule], recent=5, window=30, min_history=10)
