@@ -51,6 +51,7 @@ def test_an_injected_mismatch_fires_the_watchdog_and_stop_leaves_a_resumable_run
             # The servers sample from perturbed weights; the trainer keeps clean ones.
             "rollout.weight_noise_std": 1.0,
             "trainer.watchdog.kl_k3.limit": 1e-3,
+            "trainer.watchdog.kl_k3.limit_steps": 1,
             "trainer.watchdog.action": "stop",
         },
     )
