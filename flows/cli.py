@@ -206,13 +206,15 @@ def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
             raise ConfigError(
                 f"'sluice bench {args.name}' sets {key} in every cell; choose values with {flag}"
             )
-    if args.name == "time-to-target":
-        for key in sorted(contender_keys(args.variants) & explicit):
-            raise ConfigError(
-                f"'sluice bench time-to-target' contenders {args.variants or 'by default'} set "
-                f"{key} themselves; choose contenders with --variant (the 'η=config' ones "
-                "keep the config's η)"
-            )
+    clash = (
+        sorted(contender_keys(args.variants) & explicit) if args.name == "time-to-target" else []
+    )
+    if clash:
+        raise ConfigError(
+            f"'sluice bench time-to-target' contenders {args.variants or 'by default'} set "
+            f"{clash[0]} themselves; choose contenders with --variant (the 'η=config' ones "
+            "keep the config's η)"
+        )
     if args.name == "mismatch" and not config.trainer.loss.decoupled:
         raise ConfigError(
             "'sluice bench mismatch' compares rollout corrections, which only the decoupled "

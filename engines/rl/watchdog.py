@@ -132,7 +132,7 @@ class MismatchWatchdog:
             name: deque(maxlen=window + recent - 1) for name in self.rules
         }
         self.last: dict[str, deque[float]] = {
-            name: deque(maxlen=max(1, rule.limit_steps - 1)) for name, rule in self.rules.items()
+            name: deque(maxlen=rule.limit_steps - 1) for name, rule in self.rules.items()
         }
         """Each signal's badness on the steps just before, fired or not (for `limit_steps`)."""
 
@@ -167,13 +167,11 @@ class MismatchWatchdog:
 
     def _reason(self, rule: SignalRule, badness: float) -> str | None:
         shown = _shown(rule, badness)
-        before = (
-            list(self.last[rule.name])[-(rule.limit_steps - 1) :] if rule.limit_steps > 1 else []
-        )
+        before = self.last[rule.name]
         if (
             rule.limit is not None
             and badness > rule.limit
-            and len(before) == rule.limit_steps - 1
+            and len(before) == before.maxlen
             and all(b > rule.limit for b in before)
         ):
             bound = _shown(rule, rule.limit)
