@@ -83,9 +83,9 @@ class WatchSignalConfig(_Section):
     limit_steps: int = Field(1, ge=1)
     """Steps in a row (this one included, fired or not) whose value must pass `limit` before it fires: 1 judges every step alone; more lets a single healthy outlier pass."""
     spike: float | None = Field(None, gt=1)
-    """Fires when the mean of the last `watchdog.recent` steps is more than this many times the median of the `watchdog.window` steps before them (for `ess`: of 1 - ESS). None = judge by `limit` only."""
+    """Fires when the median of the last `watchdog.recent` steps is more than this many times the median of the `watchdog.window` steps before them (for `ess`: of 1 - ESS). None = judge by `limit` only."""
     floor: float = Field(0.0, ge=0)
-    """`spike` fires only when that recent mean is also above this (for `ess`: 1 - ESS above it), so a climb at a harmless scale stays quiet."""
+    """`spike` fires only when that recent median is also above this (for `ess`: 1 - ESS above it), so a climb at a harmless scale stays quiet."""
     action: WatchAction | None = None
     """What a firing of this signal does; None = `watchdog.action`."""
 
@@ -102,7 +102,7 @@ class WatchdogConfig(_Section):
     action: WatchAction = "warn"
     """What a firing does unless its signal says otherwise. `warn`: one log line, a Prefect event (`sluice.watchdog.fired`), an MLflow tag on the next version. `skip`: that too, and the batch is not applied (the version moves on with unchanged weights; its groups count as skipped). `stop`: the run stops, naming the signal and the last good version; `sluice train --resume` continues it. Torch backend: `skip` needs it (Megatron takes its optimizer step inside its own schedule)."""
     recent: int = Field(5, ge=1)
-    """Steps averaged before a spike is judged (this one included): a climb that lasts, not one noisy step."""
+    """Steps whose median is judged for a spike (this one included): a climb that lasts, not one or two noisy steps."""
     window: int = Field(30, ge=2)
     """Steps before those whose median is the baseline."""
     min_history: int = Field(10, ge=1)

@@ -13,16 +13,18 @@ A signal fires on a step when
 
 - its badness passes ``limit`` (an absolute bound, judged on every step) on this step
   and on the ``limit_steps`` − 1 steps before it, fired or not (1: this step alone), or
-- the mean badness of the last ``recent`` steps (this one included) is more than
+- the median badness of the last ``recent`` steps (this one included) is more than
   ``spike`` times the median of the ``window`` steps before them, and above ``floor``
   (judged once ``min_history`` earlier steps are known).
 
-Why a short mean and not one step: on 21 healthy runs of Sluice (the toy task and
-SmolLM2 on reasoning-gym, η 1 to 4), single steps rose up to 11x (k3 KL), 7x (log-PPL
-gap), 17x (gradient norm) and 7x (1 − sequence ESS) over their 30-step median. The
-5-step mean rose at most 4.4x, 2.5x, 6.1x and 3.7x. The default ratios sit above
-those, so a healthy run stays quiet while a climb that lasts is caught within a few
-steps. A step where a signal fired does not enter that signal's history, so a climb is
+Why a short median and not one step, nor a short mean: on 21 healthy runs of Sluice
+(the toy task and SmolLM2 on reasoning-gym, η 1 to 4), single steps rose up to 11x
+(k3 KL), 7x (log-PPL gap), 17x (gradient norm) and 7x (1 − sequence ESS) over their
+30-step median. A 5-step mean still lets one such step fire: a clean run's single k3 KL
+step of 0.105 among steps of 0.003–0.02 lifted its 5-step mean to 8.5x. The median of
+5 needs 3 of them high. On 31 healthy runs it rose at most 5.1x, 3.5x, 2.4x and 4.1x;
+the default ratios (8, 5, 10, 6) sit above those, so a healthy run stays quiet while a
+climb that lasts is caught on its third step. A step where a signal fired does not enter that signal's history, so a climb is
 measured against the healthy baseline instead of being absorbed into it.
 
 Pure bookkeeping over plain floats; the train role decides what a firing does
@@ -65,9 +67,9 @@ class SignalRule:
     limit_steps: int = 1
     """Steps in a row (this one included) that must pass `limit` before it fires."""
     spike: float | None = None
-    """Ratio of the recent mean badness to its rolling median that fires (None = none)."""
+    """Ratio of the recent median badness to its rolling median that fires (None = none)."""
     floor: float = 0.0
-    """The recent mean badness must also exceed this for `spike` to fire."""
+    """The recent median badness must also exceed this for `spike` to fire."""
     action: Action = "warn"
     inverted: bool = False
     """Badness is 1 − value (a signal whose bad direction is down, like ESS)."""
@@ -185,14 +187,14 @@ class MismatchWatchdog:
         baseline = earlier[: len(earlier) - len(lately)][-self.window :]
         if len(baseline) < self.min_history:
             return None
-        mean = (sum(lately) + badness) / (len(lately) + 1)
+        now = statistics.median([*lately, badness])
         median = statistics.median(baseline)
-        if mean <= rule.floor or mean <= rule.spike * median:
+        if now <= rule.floor or now <= rule.spike * median:
             return None
         what = f"1 - {rule.metric}" if rule.inverted else rule.metric
-        ratio = f"{mean / median:.1f}x" if median > 0 else "infinitely"
+        ratio = f"{now / median:.1f}x" if median > 0 else "infinitely"
         return (
-            f"{what}: mean of the last {len(lately) + 1} steps {mean:.4g} is {ratio} "
+            f"{what}: median of the last {len(lately) + 1} steps {now:.4g} is {ratio} "
             f"its median {median:.4g} over the {len(baseline)} steps before "
             f"(limit {rule.spike:g}x)"
         )

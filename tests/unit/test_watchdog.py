@@ -58,16 +58,24 @@ def test_the_shipped_kl_limit_needs_three_steps_in_a_row():
         signal_rule("kl_k3", limit=0.2, limit_steps=0)
 
 
-def test_a_lasting_climb_fires_and_one_noisy_step_does_not():
+def test_a_lasting_climb_fires_on_its_third_step_and_two_outliers_do_not():
     rule = signal_rule("kl_k3", spike=8.0, floor=1e-3)
     watchdog = MismatchWatchdog([rule], recent=5, window=30, min_history=10)
+
+    def step(value, n):
+        fired = watchdog.judge({"mismatch/kl_k3": value}, step=n)
+        watchdog.record({"mismatch/kl_k3": value}, fired=[f.signal for f in fired])
+        return fired
+
     steady(watchdog, "mismatch/kl_k3", 0.01, 30)
-    # One step at 30x the median: the 5-step mean is (4 * 0.01 + 0.3) / 5 = 0.068, 6.8x.
-    assert watchdog.judge({"mismatch/kl_k3": 0.3}, step=31) == []
-    # Four steps at 0.1 and then 0.1: the mean is 0.1, 10x the median of 0.01.
-    steady(watchdog, "mismatch/kl_k3", 0.1, 4)
-    (firing,) = watchdog.judge({"mismatch/kl_k3": 0.1}, step=36)
-    assert "10.0x" in firing.reason and "median 0.01" in firing.reason
+    # Two steps at 30x the median (a 5-step mean would be 12.6x): the median of the last
+    # five is still 0.01, so neither fires.
+    assert [step(v, n) for n, v in enumerate([0.3, 0.01, 0.3, 0.01, 0.01, 0.01], 31)] == [[]] * 6
+    # A climb to 0.1 that lasts: quiet on its first two steps, fired on the third, when
+    # three of the last five are 10x the median of 0.01.
+    fired = [step(0.1, n) for n in range(37, 40)]
+    assert [len(f) for f in fired] == [0, 0, 1]
+    assert "10.0x" in fired[2][0].reason and "median 0.01" in fired[2][0].reason
 
 
 def test_a_climb_below_the_floor_or_before_enough_history_stays_quiet():
