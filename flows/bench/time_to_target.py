@@ -13,8 +13,9 @@ and asks when each reaches the start's held-out reward + `delta` (0.2 by default
   server. Each run stops at `horizon_s` (`trainer.time_budget_s`).
 - Nothing is evaluated while the clock runs (`evaluation.during_run=false`): every
   committed version stays in storage with its commit time in the registry, and after
-  the run the versions newest at fixed times (`EVAL_TIMES`) are scored in this
-  process, on the roles' cores, which are idle by then. Where the target is crossed
+  the run the versions newest at fixed times (`EVAL_TIMES`, stretched for a horizon
+  longer than 300 s) are scored in this process, on the roles' cores, which are idle
+  by then; then the run's checkpoints are deleted. Where the target is crossed
   between two scored versions, the versions between are bisected (at most
   `REFINE_EVALS` more), so the time to target is a commit time, not a grid point.
 - All versions of all runs are scored on the same held-out prompts with the same
@@ -22,8 +23,8 @@ and asks when each reaches the start's held-out reward + `delta` (0.2 by default
   RL objective), so two versions differ by their weights, not their luck.
 
 Reported per contender, mean ± std over seeds: the time to target, the held-out
-reward at 60, 120 and 300 s, steps done by the horizon, and trainer / rollout idle
-ratios; the ratio column is the sync mean time over the contender's, both measured
+reward at 60, 120 and 300 s (stretched likewise), steps done by the horizon, and
+trainer / rollout idle ratios; the ratio column is the sync mean time over the contender's, both measured
 in this invocation. A PNG of the curves goes to the benchmark's MLflow run.
 """
 
@@ -126,6 +127,14 @@ class Trial:
     """Dynamic sampling's cost: groups generated and dropped per training batch."""
 
 
+def scaled_times(times: Sequence[float], horizon_s: float) -> list[float]:
+    """`times` (made for the default horizon) up to `horizon_s`, stretched in proportion
+    when the horizon is longer: a real model's run of 15 minutes is scored at 0, 15,
+    30 .. 900 s, as many points as a toy's of 5 minutes."""
+    stretch = max(1.0, horizon_s / DEFAULT_HORIZON_S)
+    return [t * stretch for t in times if t * stretch <= horizon_s]
+
+
 def newest_at(times: Sequence[tuple[int, float]], at_s: float) -> int | None:
     """The newest version committed by `at_s`; `times` is [(version, seconds)] by time."""
     index = bisect.bisect_right([t for _, t in times], at_s)
@@ -210,6 +219,19 @@ class ScoredRun:
             self.scores[version] = metrics["eval/reward"]
         return self.scores[version]
 
+    def release(self) -> int:
+        """Delete the run's checkpoints once it is scored (every version was kept for the
+        scoring; a real model's would fill the disk within a few runs); how many went."""
+        from sluice.infra.checkpoints import delete_checkpoint
+        from sluice.tasks.run.paths import run_registry
+
+        registry = run_registry(self.config, self.run_id)
+        gone = 0
+        for version, url in self.checkpoints.items():
+            gone += delete_checkpoint(url, self.config.storage.options)
+            registry.mark_deleted(version)
+        return gone
+
 
 def eval_config(config: RunConfig) -> RunConfig:
     """The scoring settings every version of every run shares: seed 0, no greedy pass."""
@@ -283,6 +305,7 @@ def run_trial(
         reward_at(times, scored.score, at_s)
     at = dict(times)
     trial.curve = sorted((at[v], v, r) for v, r in scored.scores.items())
+    scored.release()
     return trial
 
 
@@ -427,10 +450,9 @@ def bench_time_to_target(
     # run scores the same: score it once, before any clock runs.
     start = evaluate_model_dir(scoring, Path(str(config.model.path)), 0)["eval/reward"]
     target = start + delta
-    grid = [t for t in EVAL_TIMES if t <= horizon_s] + (
-        [horizon_s] if horizon_s not in EVAL_TIMES else []
-    )
-    fixed = [t for t in FIXED_TIMES if t <= horizon_s]
+    grid = scaled_times(EVAL_TIMES, horizon_s)
+    grid += [] if horizon_s in grid else [horizon_s]
+    fixed = scaled_times(FIXED_TIMES, horizon_s)
     print(f"start policy held-out reward {start:.3f}; target {target:.3f} (+{delta:g})", flush=True)
     trials: list[Trial] = []
     header = (

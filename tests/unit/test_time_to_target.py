@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from sluice.flows.bench.async_vs_sync import with_settings
 from sluice.flows.bench.time_to_target import (
+    ScoredRun,
     Trial,
     curve_table,
     newest_at,
     reward_at,
+    scaled_times,
     summary_table,
     time_to_target,
 )
@@ -129,3 +134,30 @@ def test_curve_table_averages_the_step_curves_of_the_seeds() -> None:
     b.curve = [(5.0, 0, 0.1), (30.0, 15, 0.5)]
     table = curve_table([a, b], start=0.1, grid=[0, 20, 30])
     assert table.splitlines()[2] == "| sync | 0.100 | 0.200 | 0.400 |"
+
+
+def test_a_longer_horizon_stretches_the_score_times_and_a_shorter_one_cuts_them() -> None:
+    assert scaled_times([0, 60, 120, 300], 300) == [0, 60, 120, 300]
+    assert scaled_times([0, 60, 120, 300], 900) == [0, 180, 360, 900]
+    assert scaled_times([0, 60, 120, 300], 100) == [0, 60]
+
+
+def test_a_scored_run_releases_every_checkpoint_and_marks_it_deleted(
+    tmp_path: Path, tracking_uri: str
+) -> None:
+    from sluice.infra.checkpoints import save_checkpoint
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.paths import run_registry
+    from tests.unit.test_registry import make_hf_dir
+
+    config = with_settings(load_config(None), {"tracking.uri": tracking_uri})
+    registry = run_registry(config, "ttt-release")
+    urls = [f"file://{tmp_path}/store/v{v}" for v in range(3)]
+    for version, url in enumerate(urls):
+        save_checkpoint(make_hf_dir(tmp_path / f"local{version}", version), url)
+        registry.commit(version, url)
+    scored = ScoredRun(config, "ttt-release", started_at=0.0)
+    assert [v for v, _ in scored.version_times()] == [0, 1, 2]
+    assert scored.release() == 3
+    assert not any((tmp_path / "store" / f"v{v}").exists() for v in range(3))
+    assert all(v.deleted for v in registry.versions())
