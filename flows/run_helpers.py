@@ -292,7 +292,11 @@ def watch_progress(
                 ).start()
     finally:
         poller.close()
-    final = best_effort(partial(read_statuses, config, paths)) or poller.latest()
+    # Once more, for the last line and a firing that stopped the run; not waiting out a
+    # hung store (its client's timeouts times its retries are minutes) before the stop
+    # line: then the poller's last snapshot stands.
+    final = within(partial(best_effort, partial(read_statuses, config, paths)), FINAL_READ_S)
+    final = final or poller.latest()
     watchdog.emit_new(final.get("train", {}))  # a firing that stopped the run
     if not any(ended_badly(f.state) for f in futures.values()):
         # Finished (storage answers): read once more, so the last line shows the end.
@@ -403,6 +407,32 @@ class StatusPoller:
 
     def close(self) -> None:
         self._stop.set()
+
+
+FINAL_READ_S = 10.0
+"""How long the watch waits for its last read of the statuses once the roles ended."""
+
+
+def within(read: Callable[[], T], timeout_s: float) -> T | None:
+    """`read()` if it returns within `timeout_s`, else None (it goes on in a daemon
+    thread, which the process does not wait for). What it raises is raised here."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, read()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller below
+            box.append((False, err))
+
+    thread = threading.Thread(target=run, name="sluice-read", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not box:
+        return None
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def best_effort(read: Callable[[], T], default: T | None = None) -> T | None:

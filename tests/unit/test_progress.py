@@ -6,7 +6,12 @@ Status documents are given as the train role writes them (`step`, `updated_at`, 
 
 from __future__ import annotations
 
-from sluice.flows.run_helpers import StepPace, format_duration, progress_line, seconds_left
+import threading
+import time
+
+import pytest
+
+from sluice.flows.run_helpers import StepPace, format_duration, progress_line, seconds_left, within
 
 
 def step_status(step: int, updated_at: float) -> dict:
@@ -63,3 +68,14 @@ def test_eta_of_a_resumed_run_ignores_the_stale_status_and_the_pause():
 
     # Steps 36..40 took 16 s for 4 steps: 4 s a step, 40 steps left.
     assert pace.eta_s(80) == 160.0
+
+
+def test_a_read_that_hangs_is_given_up_on_and_one_that_answers_or_raises_is_not() -> None:
+    release = threading.Event()
+    began = time.monotonic()
+    assert within(lambda: release.wait(30), 0.2) is None  # a hung store
+    assert time.monotonic() - began < 5
+    release.set()
+    assert within(lambda: {"train": {"step": 3}}, 5) == {"train": {"step": 3}}
+    with pytest.raises(KeyError, match="status"):
+        within(lambda: {}["status"], 5)
