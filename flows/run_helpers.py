@@ -272,7 +272,7 @@ def watch_progress(
 
     try:
         while not all(finished(f) for f in futures.values()):
-            time.sleep(interval_s if budget is None else min(interval_s, 0.5))
+            nap(futures, interval_s if budget is None else min(interval_s, 0.5))
             if budget is not None and time.monotonic() - started >= budget:
                 if best_effort(control.done_marker, None) is None:
                     best_effort(partial(control.mark_done, f"time budget of {budget:g} s reached"))
@@ -332,6 +332,17 @@ def ended_badly(state: Any) -> bool:
     """Failed (the role's process failed past its retries) or crashed (its task died
     with the worker or node that ran it)."""
     return bool(state.is_failed() or state.is_crashed())
+
+
+def nap(futures: dict[str, Any], seconds: float, slice_s: float = 0.5) -> None:
+    """Sleep up to `seconds`, waking within `slice_s` of a role's task ending: a run
+    that is over, or a role that failed, does not wait for the next progress line."""
+    deadline = time.monotonic() + seconds
+    ended = sum(finished(f) for f in futures.values())
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(slice_s, left))
+        if sum(finished(f) for f in futures.values()) != ended:
+            return
 
 
 def finished(future: Any) -> bool:

@@ -11,7 +11,14 @@ import time
 
 import pytest
 
-from sluice.flows.run_helpers import StepPace, format_duration, progress_line, seconds_left, within
+from sluice.flows.run_helpers import (
+    StepPace,
+    format_duration,
+    nap,
+    progress_line,
+    seconds_left,
+    within,
+)
 
 
 def step_status(step: int, updated_at: float) -> dict:
@@ -79,3 +86,31 @@ def test_a_read_that_hangs_is_given_up_on_and_one_that_answers_or_raises_is_not(
     assert within(lambda: {"train": {"step": 3}}, 5) == {"train": {"step": 3}}
     with pytest.raises(KeyError, match="status"):
         within(lambda: {}["status"], 5)
+
+
+class EndsLater:
+    """A role task's future (the two calls `finished` makes) that ends when told."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def wait(self, timeout: float) -> None:
+        self.ended.wait(timeout)
+
+    @property
+    def state(self) -> EndsLater:
+        return self
+
+    def is_final(self) -> bool:
+        return self.ended.is_set()
+
+
+def test_the_watch_wakes_when_a_role_ends_not_at_its_next_tick() -> None:
+    running, ending = EndsLater(), EndsLater()
+    threading.Timer(0.3, ending.ended.set).start()
+    began = time.monotonic()
+    nap({"rollout": running, "reward": ending}, 30.0, slice_s=0.05)
+    assert 0.3 <= time.monotonic() - began < 5
+    began = time.monotonic()  # nothing ends: the whole pause
+    nap({"rollout": running, "reward": ending}, 0.3, slice_s=0.05)
+    assert time.monotonic() - began >= 0.3
