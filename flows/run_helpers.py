@@ -23,7 +23,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from sluice.flows.cluster import RayRoles
 from sluice.infra.config import RunConfig
-from sluice.infra.outages import outage_cause
+from sluice.infra.outages import outage_cause, within
 from sluice.infra.storage import exists
 from sluice.tasks.process.launcher import close_launcher, warm_launcher
 from sluice.tasks.process.supervisor import RunStopped, forget_stop, run_role, stop_roles
@@ -422,28 +422,6 @@ class StatusPoller:
 
 FINAL_READ_S = 10.0
 """How long the watch waits for its last read of the statuses once the roles ended."""
-
-
-def within(read: Callable[[], T], timeout_s: float) -> T | None:
-    """`read()` if it returns within `timeout_s`, else None (it goes on in a daemon
-    thread, which the process does not wait for). What it raises is raised here."""
-    box: list[tuple[bool, Any]] = []
-
-    def run() -> None:
-        try:
-            box.append((True, read()))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller below
-            box.append((False, err))
-
-    thread = threading.Thread(target=run, name="sluice-read", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not box:
-        return None
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
 
 
 def best_effort(read: Callable[[], T], default: T | None = None) -> T | None:

@@ -21,7 +21,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 EXIT_OUTAGE = 75
 """Exit code of a role process that stopped because a service stopped answering
@@ -94,28 +96,43 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _within(seconds: float, probe: Callable[[], None]) -> str | None:
-    """Run `probe` for at most `seconds`: None when it returned, else what went wrong.
+def within(read: Callable[[], T], timeout_s: float) -> T | None:
+    """`read()` if it returns within `timeout_s`, else None; what it raises is raised
+    here. A hung endpoint can hold a request past any library timeout, so `read` runs
+    in a daemon thread, left behind when it does not return: the caller's wait stays
+    bounded and the process does not wait for it."""
+    box: list[tuple[bool, Any]] = []
 
-    A hung endpoint can hold a request past any library timeout; the probe runs in a
-    daemon thread so the caller's wait stays bounded.
-    """
-    outcome: list[str | None] = []
-
-    def attempt() -> None:
+    def run() -> None:
         try:
-            probe()
-            outcome.append(None)
-        except Exception as exc:  # noqa: BLE001 - classified below
-            cause = outage_cause(exc)
-            outcome.append(None if cause is None else describe(cause))
+            box.append((True, read()))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller below
+            box.append((False, err))
 
-    thread = threading.Thread(target=attempt, daemon=True, name="sluice-probe")
+    thread = threading.Thread(target=run, name="sluice-within", daemon=True)
     thread.start()
-    thread.join(seconds)
-    if not outcome:
-        return f"no answer in {seconds:g} s"
-    return outcome[0]
+    thread.join(timeout_s)
+    if not box:
+        return None
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _within(seconds: float, probe: Callable[[], None]) -> str | None:
+    """Run `probe` for at most `seconds`: None when it returned, else what went wrong."""
+
+    def answer() -> bool:
+        probe()
+        return True
+
+    try:
+        answered = within(answer, seconds)
+    except Exception as exc:  # noqa: BLE001 - classified here
+        cause = outage_cause(exc)
+        return None if cause is None else describe(cause)
+    return None if answered else f"no answer in {seconds:g} s"
 
 
 def probe_storage(

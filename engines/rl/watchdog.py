@@ -24,8 +24,9 @@ Why a short median and not one step, nor a short mean: on 21 healthy runs of Slu
 step of 0.105 among steps of 0.003–0.02 lifted its 5-step mean to 8.5x. The median of
 5 needs 3 of them high. On 31 healthy runs it rose at most 5.1x, 3.5x, 2.4x and 4.1x;
 the default ratios (8, 5, 10, 6) sit above those, so a healthy run stays quiet while a
-climb that lasts is caught on its third step. A step where a signal fired does not enter that signal's history, so a climb is
-measured against the healthy baseline instead of being absorbed into it.
+climb that lasts is caught on its third step. A step where a signal fired does not
+enter that signal's history, so a climb is measured against the healthy baseline
+instead of being absorbed into it.
 
 Pure bookkeeping over plain floats; the train role decides what a firing does
 (tasks/train_watchdog.py).

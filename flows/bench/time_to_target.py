@@ -24,8 +24,8 @@ and asks when each reaches the start's held-out reward + `delta` (0.2 by default
 
 Reported per contender, mean ± std over seeds: the time to target, the held-out
 reward at 60, 120 and 300 s (stretched likewise), steps done by the horizon, and
-trainer / rollout idle ratios; the ratio column is the sync mean time over the contender's, both measured
-in this invocation. A PNG of the curves goes to the benchmark's MLflow run.
+trainer / rollout idle ratios; the ratio column is the sync mean time over the
+contender's, both measured in this invocation. A PNG of the curves goes to the benchmark's MLflow run.
 """
 
 from __future__ import annotations

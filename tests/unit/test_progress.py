@@ -17,8 +17,8 @@ from sluice.flows.run_helpers import (
     nap,
     progress_line,
     seconds_left,
-    within,
 )
+from sluice.infra.outages import within
 
 
 def step_status(step: int, updated_at: float) -> dict:

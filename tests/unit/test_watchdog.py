@@ -19,6 +19,13 @@ def steady(watchdog, metric, value, steps):
         watchdog.record({metric: value})
 
 
+def kl_step(watchdog, value, n):
+    """Judge step `n` with k3 KL at `value`, then record it as the train role does."""
+    fired = watchdog.judge({"mismatch/kl_k3": value}, step=n)
+    watchdog.record({"mismatch/kl_k3": value}, fired=[f.signal for f in fired])
+    return fired
+
+
 @pytest.mark.parametrize("name", sorted(SIGNALS))
 def test_each_signal_fires_past_its_limit(name):
     metric, inverted = SIGNALS[name]
@@ -35,17 +42,12 @@ def test_a_limit_over_several_steps_lets_one_outlier_pass_and_catches_a_mismatch
     rule = signal_rule("kl_k3", limit=0.2, limit_steps=3)
     watchdog = MismatchWatchdog([rule])
 
-    def step(value, n):
-        fired = watchdog.judge({"mismatch/kl_k3": value}, step=n)
-        watchdog.record({"mismatch/kl_k3": value}, fired=[f.signal for f in fired])
-        return fired
-
     # A clean run's outlier (one step at 0.89 among 0.01s) stays quiet.
-    assert [step(v, n) for n, v in enumerate([0.01, 0.89, 0.01, 0.01], 1)] == [[]] * 4
+    assert [kl_step(watchdog, v, n) for n, v in enumerate([0.01, 0.89, 0.01, 0.01], 1)] == [[]] * 4
     # Broken from the start: quiet for two steps, then every step fires, though each
     # firing keeps its step out of the history (the limit reads the steps as they were).
     watchdog = MismatchWatchdog([rule])
-    fired = [step(2.0, n) for n in range(1, 6)]
+    fired = [kl_step(watchdog, 2.0, n) for n in range(1, 6)]
     assert [len(f) for f in fired] == [0, 0, 1, 1, 1]
     assert "for 3 steps in a row" in fired[2][0].reason
     assert len(watchdog.history["kl_k3"]) == 2
@@ -62,18 +64,14 @@ def test_a_lasting_climb_fires_on_its_third_step_and_two_outliers_do_not():
     rule = signal_rule("kl_k3", spike=8.0, floor=1e-3)
     watchdog = MismatchWatchdog([rule], recent=5, window=30, min_history=10)
 
-    def step(value, n):
-        fired = watchdog.judge({"mismatch/kl_k3": value}, step=n)
-        watchdog.record({"mismatch/kl_k3": value}, fired=[f.signal for f in fired])
-        return fired
-
     steady(watchdog, "mismatch/kl_k3", 0.01, 30)
     # Two steps at 30x the median (a 5-step mean would be 12.6x): the median of the last
     # five is still 0.01, so neither fires.
-    assert [step(v, n) for n, v in enumerate([0.3, 0.01, 0.3, 0.01, 0.01, 0.01], 31)] == [[]] * 6
+    outliers = [0.3, 0.01, 0.3, 0.01, 0.01, 0.01]
+    assert [kl_step(watchdog, v, n) for n, v in enumerate(outliers, 31)] == [[]] * 6
     # A climb to 0.1 that lasts: quiet on its first two steps, fired on the third, when
     # three of the last five are 10x the median of 0.01.
-    fired = [step(0.1, n) for n in range(37, 40)]
+    fired = [kl_step(watchdog, 0.1, n) for n in range(37, 40)]
     assert [len(f) for f in fired] == [0, 0, 1]
     assert "10.0x" in fired[2][0].reason and "median 0.01" in fired[2][0].reason
 
@@ -102,9 +100,7 @@ def test_a_fired_step_stays_out_of_the_history_so_a_climb_is_not_absorbed():
     )
     steady(watchdog, "mismatch/kl_k3", 0.01, 10)
     for step in range(11, 41):  # thirty steps at 10x: every one still fires
-        firings = watchdog.judge({"mismatch/kl_k3": 0.1}, step)
-        watchdog.record({"mismatch/kl_k3": 0.1}, fired=[f.signal for f in firings])
-        assert firings, step
+        assert kl_step(watchdog, 0.1, step), step
 
 
 def test_healthy_noise_never_fires_with_the_default_rules():
