@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Any, get_args
 
 from sluice.engines.policy.importer import ModelImportError
@@ -296,6 +298,47 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return fail(err)
     _quiet_environment()
+    # SIGTERM ends a command as Ctrl-C does: the run's roles stop, the temporary Prefect
+    # server is shut down, one line says so. Inside a flow Prefect's own handler raises
+    # the same exception.
+    from prefect.exceptions import TerminationSignal
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main_thread else None
+    try:
+        return run_command(args, config)
+    except (KeyboardInterrupt, TerminationSignal) as stop:
+        if args.command == "serve":  # how serving is meant to end
+            return 0
+        return fail(f"{args.command} stopped: {interruption(stop)}", exit_code(stop))
+    finally:
+        if in_main_thread:  # main() called in a process of the caller's: leave it as it was
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    from prefect.exceptions import TerminationSignal
+
+    raise TerminationSignal(signum)
+
+
+def interruption(stop: BaseException) -> str:
+    """What stopped a command, in words: Ctrl-C or the signal's name."""
+    signum = getattr(stop, "signal", signal.SIGINT)
+    return (
+        "interrupted (Ctrl-C)"
+        if signum == signal.SIGINT
+        else f"{signal.Signals(signum).name} received"
+    )
+
+
+def exit_code(stop: BaseException) -> int:
+    """128 + the signal's number, as a shell reports a command a signal ended."""
+    return 128 + int(getattr(stop, "signal", signal.SIGINT))
+
+
+def run_command(args: argparse.Namespace, config: RunConfig) -> int:
+    """The command `args` names, its arguments checked."""
     if args.command == "train":
         return run_train(config, resume=args.resume, sync=args.sync)
     if args.command == "eval":
@@ -307,7 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(config)
     if args.command == "bench":
-        return run_bench(args, config)
+        from sluice.flows.bench.command import run_bench
+
+        try:
+            return run_bench(args, config)
+        except ConfigError as err:  # a benchmark this checkout does not hold
+            return fail(err)
     if args.command == "plan":
         from sluice.flows.planner.plan import run_plan
 
@@ -331,20 +379,33 @@ def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) 
     from sluice.tasks.process.supervisor import RunStopped, quiet_run_stopped_tracebacks
 
     quiet_run_stopped_tracebacks()
-    try:
-        if sync:
-            from sluice.flows.train_sync import train_sync
+    if sync:
+        from sluice.flows.train_sync import train_sync
 
+        try:
             result = train_sync(config)
-        else:
-            from sluice.flows.train import ResumeError, train
+        except RunStopped as err:
+            return fail(err, err.exit_code)
+        print_where_to_look(config, result)
+        return 0
+    from prefect.exceptions import TerminationSignal
 
-            try:
-                result = train(config, run_id=resume, resume=bool(resume))
-            except ResumeError as err:
-                return fail(err)
+    from sluice.flows.run_helpers import new_run_id
+    from sluice.flows.train import ResumeError, train
+
+    run_id = resume or new_run_id(config)
+    try:
+        result = train(config, run_id=run_id, resume=bool(resume))
+    except ResumeError as err:
+        return fail(err)
     except RunStopped as err:  # an outage outlasted the wait, a checkpoint was damaged
         return fail(err, err.exit_code)
+    except (KeyboardInterrupt, TerminationSignal) as stop:  # its roles flushed and stopped
+        return fail(
+            f"run {run_id} stopped: {interruption(stop)}; "
+            f"continue with: sluice train --resume {run_id}",
+            exit_code(stop),
+        )
     print_where_to_look(config, result)
     return 0
 
@@ -429,62 +490,6 @@ def run_serve(config: RunConfig) -> int:
     print(next_steps(deployments, settings.api.url, settings.ui_url), flush=True)
     serve(*deployments, print_starting_message=False)
     return 0
-
-
-# ---------------------------------------------------------------- sluice bench
-
-
-def run_bench(args: argparse.Namespace, config: RunConfig) -> int:
-    if args.name == "determinism":
-        return bench_determinism(config, args.overrides)
-    # Bench-sized settings unless --set chose otherwise.
-    from sluice.flows.bench.async_vs_sync import apply_bench_defaults
-
-    seeds = args.seeds or 3
-    if args.name in ("staleness", "mismatch"):
-        from sluice.flows.bench.studies import STUDIES, bench_mismatch, bench_staleness
-
-        config = apply_bench_defaults(config, args.overrides, STUDIES[args.name].defaults)
-        if args.name == "staleness":
-            bench_staleness(config, etas=args.etas, objectives=args.objectives, seeds=seeds)
-        else:
-            bench_mismatch(config, modes=args.modes, seeds=seeds)
-        return 0
-    if args.name == "time-to-target":
-        from sluice.flows.bench.time_to_target import TTT_DEFAULTS, bench_time_to_target
-
-        config = apply_bench_defaults(config, args.overrides, TTT_DEFAULTS)
-        bench_time_to_target(
-            config,
-            args.variants,
-            seeds=seeds,
-            horizon_s=args.horizon or 300.0,
-            delta=args.delta or 0.2,
-        )
-        return 0
-    from sluice.flows.bench.async_vs_sync import bench_async_vs_sync
-
-    bench_async_vs_sync(apply_bench_defaults(config, args.overrides), variants=args.variants)
-    return 0
-
-
-def bench_determinism(config: RunConfig, overrides: list[str]) -> int:
-    """0 when both runs matched, 1 if not; `DEFAULT_STEPS` steps unless
-    `--set trainer.total_steps=N` is given."""
-    try:
-        from sluice.flows.bench.determinism import (
-            DEFAULT_STEPS,
-            apply_check_defaults,
-            determinism_check,
-        )
-    except ModuleNotFoundError as err:
-        if err.name != "sluice.flows.bench.determinism":
-            raise
-        return fail("flows/bench/determinism.py is not in this checkout")
-    explicit = {o.partition("=")[0].strip() for o in overrides}
-    steps = config.trainer.total_steps if "trainer.total_steps" in explicit else DEFAULT_STEPS
-    result = determinism_check(apply_check_defaults(config, overrides), steps)
-    return 0 if result["matched"] else 1
 
 
 if __name__ == "__main__":

@@ -290,6 +290,13 @@ def watch_progress(
                 threading.Thread(
                     target=best_effort, args=(partial(control.mark_done, reason),), daemon=True
                 ).start()
+    except RunStopped:
+        raise  # a lost trainer's node: the other roles were stopped where it was raised
+    except BaseException:
+        # Ctrl-C, SIGTERM, or an error in the watch: the flow is leaving, so its roles
+        # flush and stop rather than run on unwatched (and keep this process alive).
+        stop_and_wait(run_id, control, list(futures.values()), "the flow was interrupted")
+        raise
     finally:
         poller.close()
     # Once more, for the last line and a firing that stopped the run; not waiting out a
@@ -301,6 +308,21 @@ def watch_progress(
     if not any(ended_badly(f.state) for f in futures.values()):
         # Finished (storage answers): read once more, so the last line shows the end.
         show(final, last_state)
+
+
+STOP_WAIT_S = 60.0
+"""How long a stopping flow waits for its roles to flush and exit."""
+
+
+def stop_and_wait(run_id: str, control: RunControl, futures: list[Any], reason: str) -> None:
+    """Tell the run's roles to stop (those this process supervises by SIGTERM, those on
+    other nodes by the run's `done` marker, which a hung store may not take) and wait
+    up to `STOP_WAIT_S` for their tasks to end."""
+    stop_roles(run_id)
+    within(partial(best_effort, partial(control.mark_done, reason)), FINAL_READ_S)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline and not all(finished(f) for f in futures):
+        time.sleep(0.5)
 
 
 def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunControl) -> None:
@@ -317,12 +339,8 @@ def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunCo
                 continue
             replacement = placed.replace_lost(role, future, state)
         except RunStopped as stopped:
-            stop_roles(placed.run_id)
-            best_effort(partial(control.mark_done, str(stopped).split(":")[0]))
-            deadline = time.monotonic() + 60
             others = [f for r, f in futures.items() if r != role]
-            while time.monotonic() < deadline and not all(finished(f) for f in others):
-                time.sleep(0.5)
+            stop_and_wait(placed.run_id, control, others, str(stopped).split(":")[0])
             raise
         if replacement is not None:
             futures[role] = replacement

@@ -6,88 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.benchmarks.bench_load import S3_ENV, S3Server
-from tests.integration.conftest import stop_process_group
+from tests.integration.sluice_cli import Cli, run_id_of, wait_for_step
 from tests.soak.soak import MlflowServer, soak_overrides
 
 pytestmark = pytest.mark.integration
 
 STEPS = 9
 OUTAGE_TIMEOUT_S = 6
-
-
-class Cli:
-    """`sluice train` as a user runs it, its output collected line by line. It leads a
-    process group of its own (its roles and ephemeral Prefect server are in it), which
-    `stop` ends."""
-
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
-        self.lines: list[str] = []
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.flows.cli", "train", *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.process.stdout:  # type: ignore[union-attr]
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            code = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail("sluice train did not end:\n" + "\n".join(self.lines[-60:]))
-        self._reader.join(30)
-        return code
-
-    def stop(self) -> None:
-        """End the run and everything it started, whatever state it is in."""
-        stop_process_group(self.process, grace_s=10)
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def error_line(self) -> str:
-        """The CLI's one error line; no traceback may come with it."""
-        errors = [line for line in self.lines if line.startswith("sluice: error:")]
-        assert len(errors) == 1, self.output()[-4000:]
-        assert not any(line.startswith("Traceback") for line in self.lines), self.output()
-        return errors[0]
-
-
-def _step(config, run_id: str) -> int:
-    from sluice.tasks.run.paths import run_paths
-    from sluice.tasks.run.status import read_statuses
-
-    try:
-        return int(read_statuses(config, run_paths(config, run_id)).get("train", {}).get("step", 0))
-    except Exception:
-        return 0
-
-
-def _wait_for_step(cli: Cli, config, run_id: str, step: int, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _step(config, run_id) < step:
-        if cli.process.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"no step {step}:\n" + cli.output()[-4000:])
-        time.sleep(0.3)
 
 
 def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path) -> None:
@@ -130,14 +60,8 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
 
         first = Cli(args, tmp_path, env)
         runs.append(first)
-        deadline = time.monotonic() + 120
-        while not (
-            found := [m for x in first.lines if (m := re.search(r"starting run (\S+):", x))]
-        ):
-            assert first.process.poll() is None and time.monotonic() < deadline, first.output()
-            time.sleep(0.2)
-        run_id = found[0].group(1)
-        _wait_for_step(first, config, run_id, 3)
+        run_id = run_id_of(first)
+        wait_for_step(first, config, run_id, 3)
         os.kill(s3.process.pid, signal.SIGSTOP)  # hung, and stays hung until the run stops
         try:
             code = first.wait(300)
@@ -154,7 +78,7 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
 
         second = Cli([*args, "--resume", run_id], tmp_path, env)
         runs.append(second)
-        _wait_for_step(second, config, run_id, stopped_at.versions[-1] + 2)
+        wait_for_step(second, config, run_id, stopped_at.versions[-1] + 2)
         mlflow.stop()  # refused, and stays down until the run stops
         try:
             code = second.wait(300)
