@@ -13,10 +13,10 @@ inside. Output is capped inside the container (a small boot script reads the run
 pipes and stops it past the cap) and again by the log driver's size limit. Every
 container serves one run and is removed.
 
-Warm pool: starting a container costs about two seconds here (the vfs storage driver
-copies the image), far more than a verifier run. ``DockerSandbox`` keeps ``pool_size``
-containers started ahead, each blocked on its stdin waiting for one run's payload; a
-background thread starts a replacement as each is taken.
+Warm pool: starting a container costs about two seconds under the vfs storage driver
+(which copies the image), far more than a verifier run. ``DockerSandbox`` keeps
+``pool_size`` containers started ahead, each blocked on its stdin waiting for one run's
+payload; a background thread starts a replacement as each is taken.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ LABEL = "sluice.inference-server"
 killed flow left behind is found and removed by run."""
 API_TIMEOUT_S = 600
 """Seconds one Docker API call may take before the client gives up (the SDK's default
-is 60). With the vfs storage driver (infra/docker/engine.sh) creating a container copies
-the whole image and removing one deletes that copy: measured on a busy 2-core box,
-53-75 s to create a container of the 1.8 GB sluice:local and 11-15 s to remove one, more
+is 60). With the vfs storage driver (infra/docker/engine.sh's fallback where no overlay
+mounts) creating a container copies the whole image and removing one deletes that
+copy: measured on a busy 2-core box, 53-75 s to create a container of the 1.8 GB sluice:local and 11-15 s to remove one, more
 on an engine that has just started. `DOCKER_CLIENT_TIMEOUT` overrides it (in seconds),
 as it does for docker-compose and Prefect's Docker worker."""
 

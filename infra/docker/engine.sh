@@ -5,7 +5,10 @@
 #
 # 1. If no engine answers `docker info`, install docker.io and debootstrap (apt, as
 #    root) if missing and start dockerd without iptables or a bridge (containers use
-#    --network none or host) on the vfs storage driver, which needs no kernel support.
+#    --network none or host). Its storage driver is overlay2 where the kernel mounts an
+#    overlay on the engine's data folder (a probe mount says), else vfs, which needs no
+#    kernel support but copies the whole image for every container and build step
+#    ($SLUICE_DOCKER_STORAGE_DRIVER names one instead).
 # 2. If the base image ($SLUICE_BASE_IMAGE, default sluice-base:bookworm) is missing,
 #    build it: a minimal Debian bookworm with python3 and python3-venv from the mirror
 #    apt already uses (debootstrap, about a minute), imported as an image.
@@ -16,17 +19,35 @@ image=${SLUICE_BASE_IMAGE:-sluice-base:bookworm}
 
 fail() { echo "engine.sh: $*" >&2; exit 1; }
 
+# overlay2 if an overlay mounts where the engine keeps its layers, else vfs. (dockerd
+# told overlay2 on a file system that cannot carry it refuses to start.)
+storage_driver() {
+  local root=/var/lib/docker probe
+  mkdir -p "$root"
+  probe=$(mktemp -d "$root/.overlay-probe.XXXXXX") || { echo vfs; return; }
+  mkdir "$probe/lower" "$probe/upper" "$probe/work" "$probe/merged"
+  if mount -t overlay overlay -o "lowerdir=$probe/lower,upperdir=$probe/upper,workdir=$probe/work" \
+      "$probe/merged" 2>/dev/null; then
+    umount "$probe/merged"
+    echo overlay2
+  else
+    echo vfs
+  fi
+  rm -rf "$probe"
+}
+
 if ! docker info >/dev/null 2>&1; then
   [ "$(id -u)" = 0 ] || fail "no Docker engine answers and starting one needs root"
   if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
       apt-get install -y -qq docker.io debootstrap >/dev/null || fail "apt could not install docker.io"
   fi
-  nohup dockerd --iptables=false --bridge=none --storage-driver=vfs \
+  driver=${SLUICE_DOCKER_STORAGE_DRIVER:-$(storage_driver)}
+  nohup dockerd --iptables=false --bridge=none --storage-driver="$driver" \
     >"${TMPDIR:-/tmp}/sluice-dockerd.log" 2>&1 &
   # A fresh machine's first start sets up the engine's state: give it two minutes.
   for _ in $(seq 120); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || fail "dockerd did not answer in 120 s (see ${TMPDIR:-/tmp}/sluice-dockerd.log)"
+  docker info >/dev/null 2>&1 || fail "dockerd ($driver storage driver) did not answer in 120 s (see ${TMPDIR:-/tmp}/sluice-dockerd.log)"
 fi
 
 # Compose for the stack's test (tests/integration/test_compose_stack.py): Debian's is
