@@ -5,7 +5,10 @@ could have broken, counted.
   retention deleted it (tagged `sluice.deleted`), the newest version's trainer state is
   complete, the alias names the newest version, and the run reached its step count;
 - no shard was acked twice by one consumer (`reward` over rollouts, `trainer` over
-  scored), and no scored shard went into two versions;
+  scored), no scored shard went into two versions, and the shards the versions list
+  are exactly the ones the trainer's ledger acks;
+- every group number reached each stream whole, once: `group_size` rows (a role
+  restarted after a crash re-does its work under the same shard key, never beside it);
 - version v trained exactly the groups issued as numbers (v-1)B .. vB-1: none lost,
   none extra (a re-issued group keeps its number);
 - every row of one group number carries the same prompt (re-issued with its prompt);
@@ -43,6 +46,10 @@ class RunAudit:
     groups_extra: list[int] = field(default_factory=list)
     prompts_changed: list[int] = field(default_factory=list)
     """Group numbers whose rows name more than one prompt."""
+    groups_not_whole: dict[str, list[int]] = field(default_factory=dict)
+    """Per stream: group numbers whose row count is not the group size."""
+    ledger_mismatch: list[str] = field(default_factory=list)
+    """Scored shards listed by a version but not acked by the trainer, or the reverse."""
     max_staleness: int = 0
     """Largest (trained version - 1) - (version a sample's generation started at)."""
 
@@ -66,6 +73,10 @@ class RunAudit:
             found.append(f"groups lost {self.groups_lost}, extra {self.groups_extra}")
         if self.prompts_changed:
             found.append(f"groups re-issued with another prompt: {self.prompts_changed}")
+        if any(self.groups_not_whole.values()):
+            found.append(f"groups not of the group size: {self.groups_not_whole}")
+        if self.ledger_mismatch:
+            found.append(f"trained shards and the trainer's acks differ: {self.ledger_mismatch}")
         if self.max_staleness > self.max_staleness_allowed:
             found.append(f"staleness {self.max_staleness} > eta {self.max_staleness_allowed}")
         return found
@@ -107,15 +118,24 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
     }
     rollouts = reader(ROLLOUTS, "audit")
     prompts: dict[int, set[str]] = defaultdict(set)
+    rows: dict[str, Counter[int]] = {ROLLOUTS: Counter(), SCORED: Counter()}
     rollout_refs = rollouts.committed()
     for ref in rollout_refs:
         table = rollouts.read(ref).select(["group_id", "prompt_id"])
         for group_id, prompt_id in zip(*(c.to_pylist() for c in table.columns), strict=True):
             prompts[group_index_of(group_id)].add(prompt_id)
+            rows[ROLLOUTS][group_index_of(group_id)] += 1
     audit.prompts_changed = sorted(g for g, seen in prompts.items() if len(seen) > 1)
 
     scored = reader(SCORED, "audit")
     by_name = {ref.name: ref for ref in scored.committed()}
+    for ref in by_name.values():
+        rows[SCORED].update(map(group_index_of, scored.read(ref).column("group_id").to_pylist()))
+    group_size = config.rollout.group_size
+    audit.groups_not_whole = {
+        stream: sorted(g for g, n in counts.items() if n != group_size)
+        for stream, counts in rows.items()
+    }
     audit.shards = {ROLLOUTS: len(rollout_refs), SCORED: len(by_name)}
     B = config.trainer.prompts_per_batch
     listed: Counter[str] = Counter()
@@ -134,4 +154,6 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
         audit.groups_lost += sorted(expected - trained)
         audit.groups_extra += sorted(trained - expected)
     audit.trained_twice = sum(n - 1 for n in listed.values() if n > 1)
+    acked = reader(SCORED, "trainer").acked()
+    audit.ledger_mismatch = sorted(set(listed) ^ acked)
     return audit
