@@ -13,6 +13,13 @@ Fixtures (heavy imports stay inside them, so collecting a pure test imports noth
 - runs: ``local_run_config`` builds a RunConfig whose workdir, streams, checkpoints and
   MLflow store all live under one directory (``local_run_settings`` lists those keys);
   ``tracking_uri`` is a sqlite MLflow store for one module.
+
+Parallel runs (``pytest -n 2``, pytest-xdist with ``--dist loadgroup``, what ``.ci/run``
+does): ``pytest_collection_modifyitems`` puts each test file in a group of its own, so a
+module's fixtures (a Ray cluster, an MLflow server, a warm sandbox) start once, and every
+test that drives the one Docker engine or a Ray instance in one group each, so two
+workers never build the same image or join each other's Ray cluster. The slowest groups
+go first, so neither worker is left with a long tail.
 """
 
 from __future__ import annotations
@@ -40,6 +47,56 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Random init gives near-uniform logits; scaling the embeddings up makes the
 # distributions peaked enough that greedy/top-p behave like a trained model.
 PEAKED_EMBEDDING_SCALE = 20.0
+
+
+# ---------------------------------------------------------------- parallel runs
+
+DOCKER_FILES = (
+    "tests/flows/test_server_containers_flow.py",
+    "tests/integration/test_compose_stack.py",
+    "tests/integration/test_deployments.py",
+    "tests/integration/test_docker_sandbox.py",
+    "tests/integration/test_humaneval_sandboxes.py",
+    "tests/integration/test_sandbox_attacks.py",
+)
+"""Files whose tests drive the Docker engine (build `sluice:local`, start containers)."""
+RAY_FILES = ("tests/integration/test_cluster.py", "tests/integration/test_ray_server_actors.py")
+"""Files whose tests start Ray: a cluster of nodes, or a one-node instance that
+`ray.init()` elsewhere could join."""
+SLOWEST_FIRST = (
+    "ray",
+    "docker",
+    "tests/integration/test_outage_resume.py",
+    "tests/integration/test_soak.py",
+    "tests/flows/test_real_model_flow.py",
+    "tests/flows/test_multiturn_flow.py",
+    "tests/integration/test_interrupt.py",
+    "tests/integration/test_resume_after_kill.py",
+    "tests/static/test_static_checks.py",
+)
+"""Groups that take minutes on a 2-core box (docs/testing.md has the durations), started
+first; every other group follows in collection order."""
+
+
+def test_group(path: str) -> str:
+    """The xdist group of a test file (its path relative to the repository)."""
+    if path in DOCKER_FILES:
+        return "docker"
+    if path in RAY_FILES:
+        return "ray"
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    groups = {}
+    for item in items:
+        group = test_group(Path(str(item.path)).relative_to(root).as_posix())
+        groups[item.nodeid] = group
+        item.add_marker(pytest.mark.xdist_group(group))
+    rank = {group: i for i, group in enumerate(SLOWEST_FIRST)}
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(groups[item.nodeid], len(rank)), order[item.nodeid]))
 
 
 # ---------------------------------------------------------------- models

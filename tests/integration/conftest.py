@@ -110,3 +110,62 @@ def sandbox() -> Iterator[Any]:
     box.wait_warm()
     yield box
     box.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`prefect server start` on a free loopback port with a database of its own, once
+    per session: the API URL. A `sluice train` with PREFECT_API_URL set reports there
+    instead of starting a temporary server of its own (10-20 s cold on a 2-core box)."""
+    import socket
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    home = tmp_path_factory.mktemp("prefect-server")
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+        + ["--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        "prefect server did not start:\n" + (home / "server.log").read_text()
+                    ) from None
+                time.sleep(0.3)
+        yield url
+    finally:
+        stop_process_group(process, grace_s=10)
+        log.close()
+
+
+@pytest.fixture
+def shared_prefect_api(prefect_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point every `sluice train` this test starts (they inherit os.environ) at the
+    session's Prefect server. The tests of the temporary server a user gets without
+    PREFECT_API_URL (the interrupt and shadowing tests) do not use this."""
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+    return prefect_server

@@ -159,6 +159,7 @@ def wait_until(predicate, timeout_s: float, what: str, train: Train) -> None:  #
     raise AssertionError(f"timed out waiting for {what}:\n{train.output[-4000:]}")
 
 
+@pytest.mark.usefixtures("shared_prefect_api")
 def test_roles_on_three_nodes_survive_a_lost_reward_node_and_resume_after_the_trainers(
     tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster
 ) -> None:
@@ -266,6 +267,7 @@ def launched_urls(config, run_id: str) -> list[str]:  # noqa: ANN001 - a RunConf
     return launched_server_urls(config, run_id)
 
 
+@pytest.mark.usefixtures("shared_prefect_api")
 def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
     tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster
 ) -> None:
@@ -328,7 +330,9 @@ def test_a_one_node_instance_is_started_for_the_run_not_joined_from_a_running_cl
 ) -> None:
     """`cluster.address: null` starts a Ray instance of the run's own, even while
     another cluster runs on this machine (ray.init() with no address would join it,
-    through /tmp/ray/ray_current_cluster)."""
+    through /tmp/ray/ray_current_cluster). It runs on the temporary Prefect API a user
+    gets without PREFECT_API_URL (the other two tests share the session's server), so
+    the roles on Ray workers reporting to that API stays tested."""
     from sluice.infra.config import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses

@@ -20,6 +20,7 @@ STEPS = 9
 OUTAGE_TIMEOUT_S = 6
 
 
+@pytest.mark.usefixtures("shared_prefect_api")  # three runs, one API
 def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path) -> None:
     from sluice.infra.config import load_config
     from sluice.tasks.run.audit import audit_run

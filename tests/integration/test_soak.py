@@ -11,6 +11,7 @@ from tests.soak.soak import run_soak
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
 
+@pytest.mark.usefixtures("shared_prefect_api")
 def test_a_short_soak_recovers_from_every_fault_and_loses_nothing(tmp_path) -> None:
     result = run_soak(steps=32, kills=1, outages=1, seed=1, root=tmp_path)
     print(result.line())
