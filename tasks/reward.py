@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import multiprocessing
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,12 +19,14 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pebble import ProcessExpired
 
-from sluice.engines.env.verifiers import Score, load_verifier, outcome_of
+from sluice.engines.env.verifiers import load_verifier, outcome_of
 from sluice.engines.rl.samples import score_table
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.streams.names import ShardRef
+from sluice.tasks.call_pool import CallPool
 from sluice.tasks.prompts import load_policy_tokenizer
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
@@ -33,30 +34,14 @@ from sluice.tasks.run.versions import fetch_tokenizer
 
 log = logging.getLogger("sluice.reward")
 
-_worker_verifier: Callable[[dict[str, Any], str], float] | None = None
-
-
-def _init_worker(spec: str, correct: float, incorrect: float) -> None:
-    global _worker_verifier
-    _worker_verifier = load_verifier(spec, correct_reward=correct, incorrect_reward=incorrect)
-
-
-def _worker_ready() -> bool:
-    return _worker_verifier is not None
-
-
-def _score_in_worker(row: dict[str, Any], text: str) -> float:
-    assert _worker_verifier is not None
-    value = _worker_verifier(row, text)
-    return value if isinstance(value, Score) else float(value)  # a Score keeps its outcome
-
-
-WORKER_START_TIMEOUT_S = 120.0
-"""How long a fresh verifier pool may take to start its workers."""
-
 
 class VerifierPool:
-    """Scores (row, text) pairs with a deadline per call; a hung verifier costs one pool.
+    """Scores (row, text) pairs with a deadline per call; a hung or crashing call costs
+    its own score and its worker, never its neighbours'.
+
+    The verifiers run in spawned worker processes (`CallPool`): a call past `timeout_s`
+    or one that kills its worker scores `incorrect`, pebble replaces that worker, and
+    the other calls of the batch score as they would have.
 
     With a container sandbox (``run_python``) the verifiers run in threads of this
     process instead: the code runs in the containers, each run's deadline is enforced
@@ -83,66 +68,55 @@ class VerifierPool:
         self.verifier = load_verifier(
             spec, correct_reward=correct, incorrect_reward=incorrect, run_python=run_python
         )
-        self._pool: cf.Executor | None = None
-
-    def _executor(self) -> cf.Executor:
-        if self._pool is None and self.threads:
-            self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="verifier")
-        if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(
-                self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self.spec, self.correct, self.incorrect),
+        self._threads: cf.ThreadPoolExecutor | None = None
+        self._pool: CallPool | None = None
+        if not self.inline and not self.threads:
+            self._pool = CallPool(
+                workers,
+                timeout_s,
+                load_verifier,
+                spec,
+                correct_reward=correct,
+                incorrect_reward=incorrect,
             )
-            # Start every worker before any deadline runs: spawning one and loading its
-            # verifier takes seconds, which no call's time limit should pay for.
-            ready = [self._pool.submit(_worker_ready) for _ in range(self.workers)]
-            cf.wait(ready, timeout=WORKER_START_TIMEOUT_S)
-        return self._pool
 
     def score(self, rows: list[dict[str, Any]], texts: list[str]) -> list[float]:
+        pairs = list(zip(rows, texts, strict=True))
         if self.inline:
-            return [
-                self._count(self.verifier(row, text)) for row, text in zip(rows, texts, strict=True)
-            ]
-        score_one = self.verifier if self.threads else _score_in_worker
-        try:
-            pool = self._executor()
-            futures = [
-                pool.submit(score_one, row, text) for row, text in zip(rows, texts, strict=True)
-            ]
-        except cf.BrokenExecutor:  # a worker died since the last batch: a fresh pool
-            self.close()
-            pool = self._executor()
-            futures = [
-                pool.submit(score_one, row, text) for row, text in zip(rows, texts, strict=True)
-            ]
-        # `timeout_s` is per call: the calls run `workers` at a time, so the batch's
-        # deadline is one limit per wave of calls.
+            return [self._count(self.verifier(row, text)) for row, text in pairs]
+        if self.threads:
+            return self._score_in_threads(pairs)
+        assert self._pool is not None
+        return [self._settle(future) for future in self._pool.run_all(pairs)]
+
+    def _score_in_threads(self, pairs: list[tuple[dict[str, Any], str]]) -> list[float]:
+        if self._threads is None:
+            self._threads = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="verifier")
+        futures = [self._threads.submit(self.verifier, row, text) for row, text in pairs]
+        # A thread cannot be stopped, so `timeout_s` bounds the batch, one limit per wave
+        # of `workers` calls; the sandbox's own deadline is what ends each run.
         waves = -(-len(futures) // max(1, self.workers))
-        deadline = time.monotonic() + self.timeout_s * waves
-        scores, broken = [], False
-        for future in futures:
-            try:
-                value = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                scores.append(self._count(value))
-            except cf.TimeoutError:
-                scores.append(self.incorrect)
-                self.timeouts += 1
-                broken = True
-            except cf.BrokenExecutor:  # the verifier killed its worker process (os._exit, a crash)
-                log.warning("a verifier worker died; scoring %s", self.incorrect)
-                scores.append(self.incorrect)
-                broken = True
-            except BaseException as err:  # noqa: BLE001 - sys.exit() in a verifier included
-                if isinstance(err, KeyboardInterrupt):
-                    raise
-                log.warning("verifier raised %r; scoring %s", err, self.incorrect)
-                scores.append(self.incorrect)
-        if broken and not self.threads:  # worker processes stuck or gone: replace them
-            self.close()
-        return scores
+        cf.wait(futures, timeout=self.timeout_s * waves)
+        return [self._settle(future) for future in futures]
+
+    def _settle(self, future: cf.Future[Any]) -> float:
+        """The score of one finished call; a call the pool gave up on is a timeout."""
+        if not future.done() or future.cancelled():
+            self.timeouts += 1
+            return self.incorrect
+        try:
+            return self._count(future.result())
+        except TimeoutError:
+            self.timeouts += 1
+        except ProcessExpired as err:  # the verifier killed its worker (os._exit, a crash)
+            log.warning(
+                "a verifier worker died (exit %s); scoring %s", err.exitcode, self.incorrect
+            )
+        except BaseException as err:  # noqa: BLE001 - sys.exit() in a verifier included
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            log.warning("verifier raised %r; scoring %s", err, self.incorrect)
+        return self.incorrect
 
     def _count(self, value: float) -> float:
         outcome = outcome_of(value)
@@ -153,10 +127,10 @@ class VerifierPool:
 
     def close(self) -> None:
         if self._pool is not None:
-            for proc in list(getattr(self._pool, "_processes", {}).values()):
-                proc.kill()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            self._pool.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
 
 
 def code_sandbox(config: RunConfig) -> Any:

@@ -8,20 +8,22 @@ a timeout. Nothing a tool does reaches the role as an exception.
 - ``python`` runs the call in the reward sandbox (its own process, killed at its
   deadline), from a thread so the event loop keeps serving other episodes.
 - a user tool ``module:function`` runs in a pool of spawned worker processes that
-  imported it once; a call past ``timeout_s`` is answered as a timeout and the pool,
-  whose worker may be stuck for good, is replaced. A path that does not import, or
-  names no function, stops the role at start in one line (`ToolSpecError`).
+  imported it once (`CallPool`); a call past ``timeout_s`` is answered as a timeout and
+  a call that kills its worker as an error, and only that call's worker is replaced:
+  other episodes' calls, running or queued, get their own answers. A path that does not
+  import, or names no function, stops the role at start in one line (`ToolSpecError`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import importlib
 import logging
 import math
-import multiprocessing
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from pebble import ProcessExpired
 
 from sluice.engines.env.episodes import EpisodeSpec, ToolResult
 from sluice.engines.env.tools import (
@@ -33,11 +35,11 @@ from sluice.engines.env.tools import (
     route_call,
 )
 from sluice.infra.config import RunConfig
+from sluice.tasks.call_pool import CallPool
 
 log = logging.getLogger("sluice.tools")
 
 BUILTIN_TOOLS = ("calculator", "python")
-WORKER_START_TIMEOUT_S = 120.0
 
 
 class ToolSpecError(ValueError):
@@ -58,20 +60,14 @@ def load_user_tool(spec: str) -> ToolFn:
     return function  # type: ignore[no-any-return]
 
 
-_worker_tools: dict[str, ToolFn] = {}
+class UserTools:
+    """What a tool worker calls: every user tool, imported once per worker process."""
 
+    def __init__(self, specs: list[str]) -> None:
+        self.functions = {spec: load_user_tool(spec) for spec in specs}
 
-def _init_worker(specs: list[str]) -> None:
-    for spec in specs:
-        _worker_tools[spec] = load_user_tool(spec)
-
-
-def _worker_ready() -> bool:
-    return True
-
-
-def _run_in_worker(spec: str, text: str) -> str:
-    return str(_worker_tools[spec](text))
+    def __call__(self, spec: str, text: str) -> str:
+        return str(self.functions[spec](text))
 
 
 def tool_name(spec: str) -> str:
@@ -93,20 +89,7 @@ class ToolBox:
         if len(self._routes) != len(specs):
             raise ToolSpecError(f"two tools share a name in {specs}")
         self._python = python_tool(timeout_s=timeout_s) if "python" in specs else None
-        self._pool: cf.ProcessPoolExecutor | None = None
-
-    def _executor(self) -> cf.ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(
-                self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self._user_specs,),
-            )
-            # Spawning and importing take seconds no call's deadline should pay for.
-            ready = [self._pool.submit(_worker_ready) for _ in range(self.workers)]
-            cf.wait(ready, timeout=WORKER_START_TIMEOUT_S)
-        return self._pool
+        self._pool = CallPool(workers, timeout_s, UserTools, self._user_specs)
 
     async def __call__(self, call: str) -> ToolResult:
         self.calls += 1
@@ -130,23 +113,15 @@ class ToolBox:
         if spec == "python":
             assert self._python is not None
             return await asyncio.to_thread(self._python, text)
-        loop = asyncio.get_running_loop()
-        pool = await asyncio.to_thread(self._executor)
-        future = loop.run_in_executor(pool, _run_in_worker, spec, text)
         try:
-            return await asyncio.wait_for(future, self.timeout_s)
+            return str(await self._pool.run(spec, text))
         except TimeoutError:
-            log.warning("tool %s timed out after %g s; replacing its workers", spec, self.timeout_s)
-            self._replace_pool(pool)
+            log.warning(
+                "tool %s timed out after %g s; its worker is replaced", spec, self.timeout_s
+            )
             raise
-        except cf.process.BrokenProcessPool:
-            self._replace_pool(pool)
+        except (ProcessExpired, BrokenProcessPool):
             raise ToolError("the tool's worker process died") from None
-
-    def _replace_pool(self, pool: cf.ProcessPoolExecutor) -> None:
-        if self._pool is pool:
-            self._pool = None
-        _kill(pool)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -156,16 +131,7 @@ class ToolBox:
         }
 
     def close(self) -> None:
-        if self._pool is not None:
-            _kill(self._pool)
-            self._pool = None
-
-
-def _kill(pool: cf.ProcessPoolExecutor) -> None:
-    processes: dict[int, Any] = getattr(pool, "_processes", None) or {}
-    for process in list(processes.values()):
-        process.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
 
 def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:

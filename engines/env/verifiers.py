@@ -320,6 +320,10 @@ def reasoning_gym_verifier(scale: RewardScale = RewardScale(), timeout_s: float 
     `timeout_s` (the reward pool's deadline applies on top) as ``"error"`` or
     ``"timeout"``.
     """
+    # reasoning-gym takes seconds to import: a reward worker pays that when it loads the
+    # verifier, not within its first call's deadline.
+    import reasoning_gym  # noqa: F401
+
     from sluice.engines.env.problems.reasoning_gym import ROW_KEY, score_response
 
     def verify_reasoning_gym(row: PromptRow, response_text: str) -> float:

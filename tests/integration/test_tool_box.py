@@ -4,9 +4,11 @@ raises, hangs or kills its worker; every call gets an answer in time (tasks/tool
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ PLUGIN = textwrap.dedent(
     """
     import os
     import time
+    from pathlib import Path
 
     def reverse(text):
         return text[::-1]
@@ -30,6 +33,27 @@ PLUGIN = textwrap.dedent(
 
     def die(text):
         os._exit(3)
+
+    def nap(text):
+        time.sleep(0.3)
+        return str(os.getpid())
+
+    def stall(folder):
+        Path(folder, "stall-started").touch()
+        time.sleep(3600)
+
+    def hold(folder):
+        # Runs until the test releases it (or 30 s): it is running when `stall` is killed.
+        Path(folder, "hold-started").touch()
+        deadline = time.monotonic() + 30
+        while not Path(folder, "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return "held"
+
+    def mark(text):
+        folder, name = text.split()
+        Path(folder, name + "-marked").touch()
+        return name
 
     def penalty(turns):
         return -0.1 * sum(t["outcome"] in ("error", "timeout") for t in turns)
@@ -74,6 +98,71 @@ def test_user_tools_answer_fail_hang_and_die_without_taking_the_role_down(plugin
     assert died.outcome == "error" and "worker process died" in died.output
     assert (after.output, calc.output) == ("loop hserf", "42")
     assert box.stats() == {"tool_calls": 6, "tool_errors": 2, "tool_timeouts": 1}
+
+
+async def _until(path: Path, bound_s: float = 30.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        await asyncio.sleep(0.02)
+
+
+def test_a_tool_timeout_leaves_other_episodes_running_and_queued_calls_untouched(
+    plugin: str, tmp_path: Path
+) -> None:
+    specs = [f"{plugin}:{name}" for name in ("nap", "stall", "hold", "mark")]
+    box = ToolBox(specs, timeout_s=3.0, workers=2)
+    folder = tmp_path / "calls"
+    folder.mkdir()
+    seen: dict[str, bool] = {}
+    asked: set[str] = set()
+
+    async def stalled_episode():
+        result = await box(f"stall: {folder}")
+        # Its worker was killed and is being replaced; the call on the other worker is
+        # still running, and the two calls queued behind both have not started.
+        seen["hold running"] = not (folder / "release").exists()
+        seen["queued, not started"] = asked == {"b", "c"} and not list(folder.glob("*-marked"))
+        (folder / "release").touch()
+        return result
+
+    async def holding_episode():
+        await _until(folder / "stall-started")
+        await asyncio.sleep(1.0)  # well inside the stalled call's 3 s
+        return await box(f"hold: {folder}")
+
+    async def queued_episode(name: str):
+        await _until(folder / "hold-started")  # both workers are busy from here on
+        await asyncio.sleep(0.2)
+        asked.add(name)
+        return await box(f"mark: {folder} {name}")
+
+    async def episodes():
+        # Both workers up before any deadline runs: two naps at once on two processes.
+        for _ in range(10):
+            first, second = await asyncio.gather(box("nap: x"), box("nap: x"))
+            if first.output != second.output:
+                break
+        return await asyncio.gather(
+            stalled_episode(),
+            holding_episode(),
+            queued_episode("b"),
+            queued_episode("c"),
+        )
+
+    async def bounded():
+        return await asyncio.wait_for(episodes(), 60)
+
+    try:
+        stalled, held, b, c = asyncio.run(bounded())
+    finally:
+        box.close()
+    assert multiprocessing.active_children() == []
+    assert stalled.outcome == "timeout"
+    assert (held.output, held.outcome) == ("held", "ok")
+    assert [(b.output, b.outcome), (c.output, c.outcome)] == [("b", "ok"), ("c", "ok")]
+    assert seen == {"hold running": True, "queued, not started": True}
+    assert box.stats()["tool_timeouts"] == 1 and box.stats()["tool_errors"] == 0
 
 
 def test_the_python_tool_runs_in_the_sandbox_and_times_out_as_a_timeout() -> None:
