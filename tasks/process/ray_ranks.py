@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
-from sluice.tasks.process.inference_server import free_port
+from sluice.tasks.process.ports import free_port
 
 RAY_ADDRESS_ENV = "SLUICE_RAY_ADDRESS"
 """The cluster's GCS address, set for a train role placed by Ray."""
