@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    from sluice.engines.rl.trainer import TrainingSample
+    from sluice.engines.rl.train_batch import TrainingSample
     from sluice.infra.config import load_config
     from sluice.tasks.process.trainer_factory import build_rank_trainer
 
