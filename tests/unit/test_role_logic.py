@@ -198,7 +198,7 @@ def test_a_restarted_rollout_admits_only_what_the_staleness_bound_leaves():
 
 @dataclass(frozen=True)
 class Response:
-    output_ids: list[int]
+    output_token_ids: list[int]
     behaviour_logprobs: list[float]
     token_versions: list[int]
     finish_reason: str
