@@ -390,7 +390,7 @@ def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) 
         return 0
     from prefect.exceptions import TerminationSignal
 
-    from sluice.flows.run_helpers import new_run_id
+    from sluice.flows.run_claim import new_run_id
     from sluice.flows.train import ResumeError, train
 
     run_id = resume or new_run_id(config)

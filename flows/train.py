@@ -21,23 +21,20 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from sluice.flows.cluster import check_placement_fits, role_runner
-from sluice.flows.run_helpers import (
+from sluice.flows.role_watch import (
     ROLE_TASK_NAMES,
-    claim_new_run,
-    new_run_id,
     role_launcher,
     role_results,
     run_roles,
     watch_progress,
-    write_resolved_config,
 )
+from sluice.flows.run_claim import claim_new_run, new_run_id, write_resolved_config
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
-from sluice.tasks.process.inference_server import write_start
 from sluice.tasks.process.servers import planned_servers, serve_inference
 from sluice.tasks.run.control import RunControl
-from sluice.tasks.run.paths import ROLES, run_paths, run_registry
+from sluice.tasks.run.paths import ROLES, run_paths, run_registry, write_start
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
 from sluice.tasks.run.versions import serving_start

@@ -14,16 +14,14 @@ from typing import Any
 from prefect import flow
 
 from sluice.flows.cluster import role_runner
-from sluice.flows.run_helpers import (
+from sluice.flows.role_watch import (
     ROLE_TASK_NAMES,
-    claim_new_run,
-    new_run_id,
     role_launcher,
     role_results,
     run_roles,
     watch_progress,
-    write_resolved_config,
 )
+from sluice.flows.run_claim import claim_new_run, new_run_id, write_resolved_config
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.run.prepare import prepare_policy

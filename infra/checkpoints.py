@@ -201,11 +201,6 @@ def _source_files(local_dir: Path) -> list[tuple[str, Path]]:
     return files
 
 
-def build_manifest(local_dir: str | Path, metadata: Mapping[str, Any] | None = None) -> Manifest:
-    """Hash every file of a local checkpoint directory into a Manifest (nothing is written)."""
-    return _manifest_of(_source_files(Path(local_dir)), metadata)
-
-
 def _manifest_of(files: list[tuple[str, Path]], metadata: Mapping[str, Any] | None) -> Manifest:
     entries = [_hash_file(full, rel) for rel, full in files]
     return Manifest(

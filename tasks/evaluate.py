@@ -41,6 +41,7 @@ from sluice.infra.registry import CheckpointRegistry, CommittedVersion, Registry
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
+from sluice.tasks.run.eval_schedule import should_evaluate
 from sluice.tasks.run.paths import run_registry
 from sluice.tasks.run.versions import fetch_model_uri
 from sluice.tasks.tool_runner import ToolBox, episode_spec
@@ -196,15 +197,6 @@ def evaluate_checkpoint(
     """
     local = fetch_model_uri(config, checkpoint_uri, eval_weights_dir(config, run_id), keep_latest=2)
     return evaluate_model_dir(config, local, policy_version)
-
-
-def should_evaluate(version: int, config: RunConfig) -> bool:
-    every = config.evaluation.every
-    return (
-        version == 0
-        or version >= config.trainer.total_steps
-        or (every > 0 and version % every == 0)
-    )
 
 
 def choose_target(wanted: list[CommittedVersion], finished: bool) -> CommittedVersion:

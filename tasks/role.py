@@ -95,7 +95,7 @@ class Role:
     name = "role"
     """The status document the role writes (`_status/{name}.json`)."""
     thread_role = ""
-    """The role `common.role_threads` counts threads for (empty: `name`)."""
+    """The role `sluice.tasks.run.threads.role_threads` counts threads for (empty: `name`)."""
 
     @property
     def poll_interval_s(self) -> float:

@@ -45,14 +45,14 @@ from sluice.infra.serving.client import (
 )
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
-from sluice.tasks.process.inference_server import EmbeddedServer, launched_server_urls
+from sluice.tasks.process.inference_server import EmbeddedServer
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.rollout_refill import UninformativeGroups
 from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.rollout_weights import ServedWeights
-from sluice.tasks.run.paths import ROLLOUTS, SCORED
+from sluice.tasks.run.paths import ROLLOUTS, SCORED, launched_server_urls
 from sluice.tasks.run.versions import serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 

@@ -32,7 +32,8 @@ import pyarrow as pa
 
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
-from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
+from sluice.engines.rl.train_batch import TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.watchdog import Firing
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion

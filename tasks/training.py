@@ -21,8 +21,8 @@ from sluice.infra.checkpoints import save_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.lease import StorageLease
 from sluice.infra.registry import CommittedVersion
-from sluice.tasks.process.rank_trainer import build_rank_trainer
-from sluice.tasks.process.trainer_ranks import join, start_following_ranks
+from sluice.tasks.process.following_ranks import join, start_following_ranks
+from sluice.tasks.process.trainer_factory import build_rank_trainer
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import filesystem
 from sluice.tasks.run.retention import Retention

@@ -54,17 +54,17 @@ class RequestState:
     future: Future[GenerationOutput]
     submitted_at: float
     arrival: int
-    output_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     admitted_step: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output_ids)
+        return len(self.prompt) + len(self.output_token_ids)
 
     def all_tokens(self) -> list[int]:
-        return [*self.prompt, *self.output_ids]
+        return [*self.prompt, *self.output_token_ids]
 
 
 Finished = tuple[RequestState, FinishReason, int | None]
@@ -149,7 +149,7 @@ class SlotBatch:
         reuse: list[RequestState] = []
         first_of: set[tuple[int, ...]] = set()
         for seq in seqs:
-            if seq.output_ids:  # retracted: recompute prompt + response under new weights
+            if seq.output_token_ids:  # retracted: recompute prompt + response under new weights
                 to_prefill.append(seq)
             elif seq.prompt in first_of or self.prompts.get(seq.prompt) is not None:
                 reuse.append(seq)
@@ -217,7 +217,7 @@ class SlotBatch:
         for r, seq in enumerate(seqs):
             if seq.admitted_step is None:
                 seq.admitted_step = step
-            elif seq.output_ids:
+            elif seq.output_token_ids:
                 self.recomputed_tokens += lengths[r]
         if self.fast is not None:
             tokens = [seq.all_tokens() for seq in seqs]
@@ -229,7 +229,7 @@ class SlotBatch:
         self.prefill_forwards += 1
         self.prefilled_tokens += sum(lengths)
         for r, seq in enumerate(seqs):
-            if not seq.output_ids:
+            if not seq.output_token_ids:
                 self.prompts.misses += 1
                 keys, values = self.cache.snapshot(start + r, lengths[r])
                 self.prompts.put(seq.prompt, PromptEntry(keys, values, logits[r].clone()))
@@ -272,7 +272,7 @@ class SlotBatch:
         seqs = list(self.running)
         position_list = [s.num_tokens - 1 for s in seqs]
         positions = torch.tensor(position_list, device=self.device)
-        input_ids = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
+        input_ids = torch.tensor([s.output_token_ids[-1] for s in seqs], device=self.device)
         kv_length = max(position_list) + 1
         self.last_decode_context = sum(position_list) + len(position_list)
         keys = torch.arange(kv_length, device=self.device)
@@ -294,17 +294,17 @@ class SlotBatch:
             logits,
             [s.params for s in seqs],
             [s.seed for s in seqs],
-            [len(s.output_ids) for s in seqs],
+            [len(s.output_token_ids) for s in seqs],
         )
         finished: list[Finished] = []
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            seq.output_ids.append(token)
+            seq.output_token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
             if token in seq.stop_ids:
                 finished.append((seq, "stop", token))
             elif (
-                len(seq.output_ids) >= seq.params.max_new_tokens
+                len(seq.output_token_ids) >= seq.params.max_new_tokens
                 or seq.num_tokens >= self.max_seq_len
             ):
                 finished.append((seq, "length", None))

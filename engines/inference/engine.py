@@ -231,7 +231,7 @@ class InferenceEngine(Scheduler):
                 self._retract_all_locked()
                 # Retracted sequences (now or by an earlier retract pause) all
                 # have output tokens: their KV is rebuilt under the new weights.
-                recomputed = sum(1 for s in self._waiting if s.output_ids)
+                recomputed = sum(1 for s in self._waiting if s.output_token_ids)
                 with torch.no_grad():
                     for name, tensor in tensors.items():
                         targets[name].copy_(tensor)

@@ -447,7 +447,7 @@ class Scheduler:
         output = GenerationOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt,
-            output_token_ids=list(seq.output_ids),
+            output_token_ids=list(seq.output_token_ids),
             behaviour_logprobs=list(seq.logprobs),
             token_versions=list(seq.versions),
             finish_reason=reason,

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
+from sluice.engines.rl.train_batch import TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 
 
 class LockstepTrainer:

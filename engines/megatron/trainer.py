@@ -37,12 +37,12 @@ from sluice.engines.megatron.optimizer import MegatronPolicyOptimizer
 from sluice.engines.rl.batching import PackedBatch
 from sluice.engines.rl.loss import PolicyLoss
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
+from sluice.engines.rl.train_batch import TrainerSettings
 from sluice.engines.rl.trainer import (
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
     MicroBatchLossFn,
     PolicyTrainer,
-    TrainerSettings,
 )
 
 

@@ -137,11 +137,14 @@ def decoupled_ppo_loss(
             tokens, padding and tokens rejected by rollout correction.
         num_global_tokens: valid tokens in the whole global batch (all micro-batches),
             counted from the mask *before* rollout correction. Must be positive.
-        eps_clip_low: the ratio is clipped below at ``1 - eps_clip_low``.
-        eps_clip_high: the ratio is clipped above at ``1 + eps_clip_high``
-            (clip-higher when larger than ``eps_clip_low``).
+        eps_clip_low: the ratio is clipped below at ``1 - eps_clip_low`` (in [0, 1]).
+        eps_clip_high: the ratio is clipped above at ``1 + eps_clip_high`` (>= 0;
+            clip-higher when larger than ``eps_clip_low``).
         dual_clip_c: for negative advantages the per-token loss is capped at
             ``dual_clip_c * |A|``; None disables it. Must exceed 1.
+
+        The bounds are checked once, where the user sets them: the ``trainer.loss``
+        config (``sluice.infra.trainer_config.LossConfig``), not on every micro-batch.
         decoupled: True uses π_prox as the trust-region anchor with behaviour weight
             π_prox/π_behav; False is standard PPO with π_old = π_behav (u = π_θ/π_behav,
             w = 1), for which no proximal forward pass is needed.
@@ -155,7 +158,7 @@ def decoupled_ppo_loss(
 
     Raises:
         ValueError: on mismatched shapes, a non-positive ``num_global_tokens``, or an
-            inconsistent combination of options.
+            inconsistent combination of options (not on out-of-range bounds: see above).
     """
     if decoupled and proximal_logprobs is None:
         raise ValueError(
@@ -176,12 +179,6 @@ def decoupled_ppo_loss(
         loss_mask=loss_mask,
         behaviour_weights=behaviour_weights,
     )
-    if not 0.0 <= eps_clip_low <= 1.0:
-        raise ValueError(f"eps_clip_low must be in [0, 1], got {eps_clip_low}")
-    if eps_clip_high < 0.0:
-        raise ValueError(f"eps_clip_high must be >= 0, got {eps_clip_high}")
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
     if isinstance(num_global_tokens, Tensor):
         if num_global_tokens.numel() != 1:
             raise ValueError("num_global_tokens must be a scalar")
@@ -269,12 +266,10 @@ def make_policy_loss(
     ``make_policy_loss(**config.trainer.loss.model_dump())`` gives a callable
     ``fn(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask,
     num_global_tokens, behaviour_weights=None)``; the trainer calls it without knowing
-    which algorithm it is.
+    which algorithm it is. The bounds arrive validated by the config (``LossConfig``).
     """
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss '{name}'; known: {', '.join(sorted(POLICY_LOSSES))}")
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
     return functools.partial(
         POLICY_LOSSES[name],
         decoupled=decoupled,

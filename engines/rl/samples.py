@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,7 @@ import torch
 from sluice.engines.env.episodes import Episode
 from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.groups import group_key
-from sluice.engines.rl.trainer import TrainingSample
+from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trajectory import (
     ANSWER,
     BEHAVIOUR_LOGPROBS,
@@ -74,15 +74,17 @@ def group_rows(
     results: Sequence[SampledResponse],
     worker: str,
     *,
+    rewards: Sequence[float] | None = None,
     shaping_rewards: Sequence[float] | None = None,
     version_if_empty: int | None = None,
 ) -> list[TrajectoryRow]:
-    """The `rollouts` stream rows of prompt group `index`: one per sampled response.
+    """The stream rows of prompt group `index`: one per sampled response.
 
-    A result that is a multi-turn `Episode` also gives its row the episode's loss mask and
-    columns, with `shaping_rewards[k]` (one per result) as the shaping it earned.
-    `version_if_empty` is the policy version serving the group, the span of a response
-    without tokens.
+    `rewards` (one per result) fills the reward column; without them the rows are the
+    unscored `rollouts` rows. A result that is a multi-turn `Episode` also gives its row
+    the episode's loss mask and columns, with `shaping_rewards[k]` (one per result) as the
+    shaping it earned. `version_if_empty` is the policy version serving the group, the
+    span of a response without tokens.
     """
     key = group_key(index)
     created_at = datetime.datetime.now(datetime.UTC)  # one time for the whole group
@@ -97,11 +99,12 @@ def group_rows(
                 group_id=key,
                 prompt_id=str(row[PROMPT_ID]),
                 prompt_token_ids=prompt_ids,
-                response_token_ids=list(result.output_ids),
+                response_token_ids=list(result.output_token_ids),
                 behaviour_logprobs=list(result.behaviour_logprobs),
                 token_versions=list(result.token_versions),
                 version_if_empty=version_if_empty,
                 finish_reason=result.finish_reason,
+                reward=None if rewards is None else float(rewards[k]),
                 task=str(row.get(TASK, "")),
                 worker=worker,
                 created_at=created_at,
@@ -144,52 +147,34 @@ def score_table(
     return table.set_column(index, table.schema.field(REWARD), pa.array(rewards, pa.float32()))
 
 
-class FinishedResponse(Protocol):
-    """One response as the in-process inference engine returns it."""
-
-    @property
-    def output_token_ids(self) -> list[int]: ...
-    @property
-    def behaviour_logprobs(self) -> list[float]: ...
-    @property
-    def token_versions(self) -> list[int]: ...
-    @property
-    def finish_reason(self) -> str: ...
-
-
 def batch_rows(
     prompts: Sequence[tuple[int, dict[str, Any], list[int]]],
-    outputs: Sequence[FinishedResponse],
+    outputs: Sequence[SampledResponse],
     rewards: Sequence[float],
     policy_version: int,
     worker: str = "sync",
 ) -> list[TrajectoryRow]:
-    """The colocated loop's scored batch as trajectory rows, built as the rollout role
-    builds its own: `prompts` holds (group index, prompt row, prompt ids) per response,
-    a group's G responses in a run. A response without tokens spans `policy_version`."""
-    rows = []
-    samples_of_group: dict[int, int] = {}
-    for (index, row, prompt_ids), out, reward in zip(prompts, outputs, rewards, strict=True):
-        sample = samples_of_group[index] = samples_of_group.get(index, -1) + 1
-        rows.append(
-            TrajectoryRow(
-                sample_id=f"{group_key(index)}-{sample:03d}",
-                group_id=group_key(index),
-                prompt_id=str(row["prompt_id"]),
-                prompt_token_ids=list(prompt_ids),
-                response_token_ids=list(out.output_token_ids),
-                behaviour_logprobs=list(out.behaviour_logprobs),
-                token_versions=list(out.token_versions),
-                finish_reason=out.finish_reason,
-                reward=float(reward),
-                task=str(row.get("task", "")),
-                worker=worker,
-                prompt=str(row["prompt"]),
-                answer=str(row.get("answer", "")),
-                row_json=row_json(row),
-                version_if_empty=policy_version,
-            )
+    """The colocated loop's scored batch as trajectory rows, built by `group_rows` as the
+    rollout role builds its own: `prompts` holds (group index, prompt row, prompt ids) per
+    response, a group's G responses in a run. A response without tokens spans
+    `policy_version`."""
+    rows: list[TrajectoryRow] = []
+    start = 0
+    while start < len(prompts):
+        index, row, prompt_ids = prompts[start]
+        end = start + 1
+        while end < len(prompts) and prompts[end][0] == index:
+            end += 1
+        rows += group_rows(
+            index,
+            row,
+            list(prompt_ids),
+            outputs[start:end],
+            worker,
+            rewards=rewards[start:end],
+            version_if_empty=policy_version,
         )
+        start = end
     return rows
 
 

@@ -43,7 +43,7 @@ from sluice.engines.rl.lora import LoraSettings, load_adapter, save_adapter
 from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
-from sluice.engines.rl.train_batch import (  # noqa: F401  (TrainingSample: importable from here)
+from sluice.engines.rl.train_batch import (
     TrainBatch,
     TrainerSettings,
     TrainingSample,

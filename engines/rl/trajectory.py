@@ -72,10 +72,13 @@ def version_bounds(token_versions: Sequence[int]) -> tuple[int, int] | None:
 
 
 class SampledResponse(Protocol):
-    """One response as the inference client returns it (what a row is built from)."""
+    """One sampled response, what a row is built from: as the in-process engine returns it
+    (`sluice.engines.inference.types.GenerationOutput`), as the client decodes it from a
+    server (`sluice.infra.serving.protocol.GenerateResponse`, which reads SGLang's
+    `output_ids` into `output_token_ids`), or a multi-turn `Episode`."""
 
     @property
-    def output_ids(self) -> list[int]: ...
+    def output_token_ids(self) -> list[int]: ...
     @property
     def behaviour_logprobs(self) -> list[float]: ...
     @property

@@ -232,7 +232,7 @@ class GenerateResponse:
     scheduling record (steps, latency, matched stop token).
     """
 
-    output_ids: list[int]
+    output_token_ids: list[int]
     """Generated token ids (including a final stop/EOS token, as SGLang returns them)."""
     behaviour_logprobs: list[float]
     """Logprob of each output token under the sampling policy (empty if not requested)."""
@@ -327,7 +327,7 @@ def decode_generate_response(
 
     weight_version = meta.get("weight_version")
     return GenerateResponse(
-        output_ids=[int(t) for t in output_ids],
+        output_token_ids=[int(t) for t in output_ids],
         behaviour_logprobs=logprobs,
         token_versions=[int(v) for v in versions if v is not None],
         finish_reason=str(finish_type),

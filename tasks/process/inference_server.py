@@ -8,28 +8,17 @@ start-up overlaps everything else the roles do before the first prompt is genera
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
 from sluice.infra.docker_servers import SLUICE_IMAGE, ServerSpec
 from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh
-from sluice.tasks.run.paths import START_FILE, read_json, run_paths, write_json
+from sluice.tasks.process.ports import free_port
+from sluice.tasks.run.paths import START_FILE, read_json, run_paths
 from sluice.tasks.run.threads import role_threads
 
 log = logging.getLogger("sluice.rollout")
-
-"""Control-dir document the flow writes once the run's starting version is committed."""
-SERVERS_FILE = "servers.json"
-"""Control-dir document naming the servers the run launched (`servers.launch: docker` or
-`ray`): their URLs, and for Ray the actors' names."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def server_spec(
@@ -109,34 +98,6 @@ class EmbeddedServer:
 
     def stop(self) -> None:
         self.process.stop(grace_s=10)
-
-
-def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str) -> None:
-    """Tell the rollout role which committed version the run starts from."""
-    write_json(
-        config,
-        f"{run_paths(config, run_id).control}/{START_FILE}",
-        {"policy_version": policy_version, "checkpoint_uri": checkpoint_uri},
-    )
-
-
-def write_launched_servers(config: RunConfig, run_id: str, urls: list[str], **more: Any) -> None:
-    """Tell the rollout role where the run's launched servers answer (`more`: what else
-    it needs of them, such as the names of their Ray actors)."""
-    write_json(
-        config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}", {"urls": urls, **more}
-    )
-
-
-def launched_server_urls(config: RunConfig, run_id: str) -> list[str]:
-    """The URLs of the servers the flow launched for this run (`servers.launch: docker`)."""
-    document = read_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}")
-    if not document or not document.get("urls"):
-        raise RuntimeError(
-            f"servers.launch=docker but the run has no {SERVERS_FILE}: "
-            "the `train` flow launches the servers (the sync baseline does not)"
-        )
-    return [str(url) for url in document["urls"]]
 
 
 def local_checkpoint_dir(uri: str) -> Path | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
-from sluice.tasks.process.inference_server import free_port
+from sluice.tasks.process.ports import free_port
 
 RAY_ADDRESS_ENV = "SLUICE_RAY_ADDRESS"
 """The cluster's GCS address, set for a train role placed by Ray."""
@@ -54,7 +54,7 @@ class RankActor:
         import torch
 
         from sluice.engines.megatron.lockstep import follow
-        from sluice.tasks.process.rank_trainer import build_rank_trainer
+        from sluice.tasks.process.trainer_factory import build_rank_trainer
 
         config = RunConfig.model_validate_json(config_json)
         os.environ.update(

@@ -36,14 +36,10 @@ from sluice.infra.cluster_config import RolePlacement
 from sluice.infra.config import RunConfig
 from sluice.infra.docker_servers import ServerLaunchError, healthy
 from sluice.infra.registry import CommittedVersion
-from sluice.tasks.process.inference_server import (
-    SERVERS_FILE,
-    free_port,
-    server_spec,
-    write_launched_servers,
-)
+from sluice.tasks.process.inference_server import server_spec
+from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_ranks import NAMESPACE, RAY_ADDRESS_ENV, node_address
-from sluice.tasks.run.paths import read_json, run_paths
+from sluice.tasks.run.paths import SERVERS_FILE, read_json, run_paths, write_launched_servers
 from sluice.tasks.run.versions import fetch_update
 
 log = logging.getLogger(__name__)

@@ -22,14 +22,11 @@ from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
 from sluice.infra.docker_servers import ServerContainers, ServerSpec, remove_run_servers
-from sluice.tasks.process.inference_server import (
-    free_port,
-    server_spec,
-    write_launched_servers,
-)
+from sluice.tasks.process.inference_server import server_spec
+from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_servers import RayServers
 from sluice.tasks.run.control import RunControl
-from sluice.tasks.run.paths import run_paths, run_registry
+from sluice.tasks.run.paths import run_paths, run_registry, write_launched_servers
 from sluice.tasks.run.versions import fetch_policy, serving_start
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,9 @@ would leave ~240 GB. After each commit the trainer's background thread keeps
 - the policy of the newest `storage.keep_versions` versions (0 or None: every version);
 - the policy of every version an MLflow alias points at, or a `sluice.keep` tag pins;
 - the policy of every version the evaluation schedule still has to score: those
-  `should_evaluate` names, not yet tagged with a result and newer than the newest
-  version scored (the evaluate role never goes back to an older one);
+  `should_evaluate` (tasks/run/eval_schedule.py) names, not yet tagged with a result
+  and newer than the newest version scored (the evaluate role never goes back to an
+  older one);
 - the policy of the version the run (re)started from (the control document `start.json`):
   a launched server container that dies is restarted on it, then brought forward;
 - version 0 of a LoRA run: the base every later version's adapter applies to;
@@ -30,7 +31,7 @@ from sluice.infra.checkpoints import canonical_url, delete_checkpoint, open_chec
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CheckpointRegistry, CommittedVersion
 from sluice.infra.storage import list_names
-from sluice.tasks.evaluate import should_evaluate
+from sluice.tasks.run.eval_schedule import should_evaluate
 from sluice.tasks.run.paths import START_FILE, RunPaths, read_json
 
 log = logging.getLogger("sluice.retention")

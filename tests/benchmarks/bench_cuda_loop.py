@@ -35,7 +35,7 @@ from pathlib import Path
 
 def plan(config_name: str, model_dir: str, out: str, steps: int, overrides: list[str]) -> None:
     from sluice.infra.config import load_config
-    from sluice.tasks.process.rank_trainer import trainer_settings
+    from sluice.tasks.process.trainer_factory import trainer_settings
     from sluice.tasks.prompts import PromptSource
 
     config = load_config(config_name, [f"model.path={model_dir}", *overrides])
@@ -116,7 +116,8 @@ def run(plan_path: str, model: str, seconds: float, eval_every: int, device: str
     from sluice.engines.rl.loss import make_policy_loss
     from sluice.engines.rl.rollout_correction import make_rollout_correction
     from sluice.engines.rl.samples import batch_rows, batch_table, samples_from_table
-    from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
+    from sluice.engines.rl.train_batch import TrainerSettings
+    from sluice.engines.rl.trainer import PolicyTrainer
 
     document = json.loads(Path(plan_path).read_text())
     work = Path(tempfile.mkdtemp(prefix="sluice-cuda-loop-"))

@@ -34,9 +34,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
-    from sluice.engines.rl.trainer import TrainingSample
+    from sluice.engines.rl.train_batch import TrainingSample
     from sluice.infra.config import load_config
-    from sluice.tasks.process.rank_trainer import build_rank_trainer
+    from sluice.tasks.process.trainer_factory import build_rank_trainer
 
     torch.set_num_threads(args.threads)
     lora = args.lora or ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=2e-4"]

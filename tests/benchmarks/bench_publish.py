@@ -109,7 +109,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from sluice.engines.inference.engine import InferenceEngine
-    from sluice.engines.rl.trainer import TrainingSample
+    from sluice.engines.rl.train_batch import TrainingSample
     from sluice.infra.config import RunConfig, load_config
     from sluice.tasks.training import build_trainer
 

@@ -29,7 +29,8 @@ import torch
 
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 
 SHIPPED = (
     Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ def watchdog_events(run_id, wait_s=30.0):
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    from sluice.flows.run_helpers import WATCHDOG_EVENT
+    from sluice.flows.role_watch import WATCHDOG_EVENT
 
     deadline = time.monotonic() + wait_s
     while True:

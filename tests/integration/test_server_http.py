@@ -76,7 +76,7 @@ def test_generate_returns_tokens_logprobs_and_versions(served: Served) -> None:
         async with InferenceClient([served.url], timeout_s=60) as client:
             result = await client.generate([5, 6, 7], {"max_new_tokens": 12, "temperature": 0.0})
             assert (
-                len(result.output_ids)
+                len(result.output_token_ids)
                 == len(result.behaviour_logprobs)
                 == len(result.token_versions)
             )
@@ -86,7 +86,7 @@ def test_generate_returns_tokens_logprobs_and_versions(served: Served) -> None:
             direct = InferenceEngine(served.v0, max_batch_size=1, max_seq_len=400).generate(
                 [GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=12, temperature=0.0))]
             )[0]
-            assert result.output_ids == direct.output_token_ids
+            assert result.output_token_ids == direct.output_token_ids
             assert result.behaviour_logprobs == pytest.approx(direct.behaviour_logprobs, abs=1e-5)
 
     if served.engine.weight_version != 0:
@@ -139,9 +139,10 @@ def test_generate_group_samples_distinct_responses(served: Served) -> None:
             )
 
     group = _run(go())
-    assert len(group) == 4 and len({tuple(r.output_ids) for r in group}) == 4
+    assert len(group) == 4 and len({tuple(r.output_token_ids) for r in group}) == 4
     again = _run(go())
-    assert [r.output_ids for r in again] == [r.output_ids for r in group]  # seeded: reproducible
+    # Seeded: reproducible.
+    assert [r.output_token_ids for r in again] == [r.output_token_ids for r in group]
 
 
 def test_pause_update_continue_switches_versions_mid_response(served: Served) -> None:
@@ -178,7 +179,7 @@ def test_pause_update_continue_switches_versions_mid_response(served: Served) ->
     switch = result.token_versions.index(new_version)
     assert 0 < switch < 300
     assert result.token_versions == [new_version - 1] * switch + [new_version] * (300 - switch)
-    fresh = _fresh_logprobs(new_dir, [3, 14], result.output_ids)
+    fresh = _fresh_logprobs(new_dir, [3, 14], result.output_token_ids)
     assert result.behaviour_logprobs[switch:] == pytest.approx(fresh[switch:], abs=1e-4)
 
 
@@ -210,7 +211,7 @@ def test_a_weight_update_gets_through_while_more_than_100_requests_are_paused(
 
     results = _run(go())
     assert len(results) == 130
-    assert all(r.token_versions == [new_version] * len(r.output_ids) for r in results)
+    assert all(r.token_versions == [new_version] * len(r.output_token_ids) for r in results)
 
 
 def test_pause_abort_returns_partial_response(served: Served) -> None:
@@ -231,9 +232,9 @@ def test_pause_abort_returns_partial_response(served: Served) -> None:
             return result, after
 
     result, after = _run(go())
-    assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 350
-    assert len(result.token_versions) == len(result.output_ids)
-    assert after.finish_reason == "length" and len(after.output_ids) == 3
+    assert result.finish_reason == "abort" and 0 < len(result.output_token_ids) < 350
+    assert len(result.token_versions) == len(result.output_token_ids)
+    assert after.finish_reason == "length" and len(after.output_token_ids) == 3
 
 
 @pytest.mark.parametrize(

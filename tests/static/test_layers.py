@@ -1,5 +1,6 @@
-"""The four layers import only downwards, through the one `sluice` package, and no module
-imports itself round a cycle.
+"""The four layers import only downwards, through the one `sluice` package, the rooms of
+tasks/ keep to their own (a run's files import no role, and the process room imports a
+role only where it starts one), and no module imports itself round a cycle.
 
 Read from the source (imports at module level and inside functions alike), so a
 lazy import cannot hide a cycle or a layer breach; imports under `if TYPE_CHECKING:`
@@ -43,6 +44,24 @@ ALLOWED_ENGINE_IMPORTS_IN_INFRA = (
     "sluice.engines.env.sandbox",
     "sluice.engines.rl.trajectory",  # streams/schema: the row's column names (stdlib only)
 )
+
+
+# The rooms inside tasks/ (docs/architecture.md). Directly under tasks/ sit the roles and
+# their satellites (rollout, rollout_refill, rollout_stats, rollout_weights, reward, train,
+# train_watchdog, training, sync, evaluate) and three modules they share, which are no
+# role: the shared role shape (role.py), the run's prompts and its tools.
+TASK_ROOMS: dict[str, tuple[str, ...]] = {
+    # A run's files: read by every room of tasks/ and by the flows, so they import no
+    # role (no role's imports ride along) and nothing that starts processes; preparing a
+    # run's policy needs its prompts and tools.
+    "sluice.tasks.run": ("sluice.tasks.run", "sluice.tasks.prompts", "sluice.tasks.tool_runner"),
+    # Starting and supervising the roles' processes: what it needs of a role is the
+    # shared shape (role.py), where it is.
+    "sluice.tasks.process": ("sluice.tasks.process", "sluice.tasks.run", "sluice.tasks.role"),
+}
+"""What of `sluice.tasks` each sub-package of tasks/ may import (besides the package name)."""
+STARTS_ROLES = ("sluice.tasks.process.worker",)
+"""The modules of tasks/process that import the roles, because they start them."""
 
 
 def module_name(path: Path) -> str:
@@ -104,6 +123,52 @@ def test_layers_import_only_downwards():
                 ):
                     breaches.append(f"{module} imports {name}")
     assert breaches == []
+
+
+def task_room_breaches(modules: dict[str, set[str]]) -> list[str]:
+    """`module imports name` for each import of `sluice.tasks` a room of tasks/ may not make."""
+    breaches = []
+    for module, imported in modules.items():
+        room = next((r for r in TASK_ROOMS if forbidden(module, (r,))), None)
+        if room is None or module in STARTS_ROLES:
+            continue
+        breaches += [
+            f"{module} imports {name}"
+            for name in imported
+            if forbidden(name, ("sluice.tasks",))
+            and name != "sluice.tasks"
+            and not forbidden(name, TASK_ROOMS[room])
+        ]
+    return breaches
+
+
+def test_the_rooms_of_tasks_import_no_role_but_where_one_is_started():
+    assert task_room_breaches(project_modules()) == []
+
+
+def test_the_task_room_check_finds_a_breach():
+    breaches = task_room_breaches(
+        {
+            "sluice.tasks.run.retention": {"sluice.tasks.evaluate", "sluice.tasks.run.paths"},
+            "sluice.tasks.run.paths": {"sluice.tasks.process.ports"},
+            "sluice.tasks.process.servers": {
+                "sluice.tasks.rollout_weights.ServedWeights",
+                "sluice.tasks.role",
+                "sluice.tasks.run.paths",
+            },
+            "sluice.tasks.process.worker": {"sluice.tasks.rollout", "sluice.tasks.sync"},
+            "sluice.tasks.training": {"sluice.tasks.process.trainer_factory"},
+        }
+    )
+    assert sorted(breaches) == [
+        "sluice.tasks.process.servers imports sluice.tasks.rollout_weights.ServedWeights",
+        "sluice.tasks.run.paths imports sluice.tasks.process.ports",
+        "sluice.tasks.run.retention imports sluice.tasks.evaluate",
+    ]
+    # The rules name real modules: a renamed one would leave a rule that allows nothing.
+    modules = project_modules()
+    for name in (*STARTS_ROLES, *TASK_ROOMS, *(a for r in TASK_ROOMS.values() for a in r)):
+        assert name in modules, name
 
 
 def test_every_module_imports_sluice_by_its_package_name():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from sluice.engines.policy.shipped_policy import SHIPPED_DIR
-from sluice.engines.rl.trainer import TrainingSample
+from sluice.engines.rl.train_batch import TrainingSample
 
 SHIPPED = SHIPPED_DIR
 """The tiny policy Sluice ships (a 0.9M-parameter Llama, tied embeddings)."""

@@ -13,7 +13,7 @@ from sluice.flows.bench.async_vs_sync import (
 )
 from sluice.flows.cli import main
 from sluice.infra.config import load_config
-from sluice.tasks.process.inference_server import free_port
+from sluice.tasks.process.ports import free_port
 
 
 def test_resume_of_an_unknown_run_fails_with_one_line_naming_it(tmp_path, capsys):

@@ -32,7 +32,7 @@ SPEC = EpisodeSpec(
 
 @dataclass
 class Turn:
-    output_ids: list[int]
+    output_token_ids: list[int]
     behaviour_logprobs: list[float]
     token_versions: list[int]
     finish_reason: str

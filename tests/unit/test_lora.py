@@ -15,7 +15,8 @@ from sluice.engines.policy.model import load_policy_dir
 from sluice.engines.rl.lora import LoraError, LoraSettings
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from tests.unit.synthetic import SHIPPED, random_samples
 

@@ -13,7 +13,8 @@ import torch
 from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.types import GenerationRequest, SamplingParams, WeightLoadError
 from sluice.engines.rl.lora import LoraSettings
-from sluice.engines.rl.trainer import PolicyTrainer, TrainingSample
+from sluice.engines.rl.train_batch import TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 from tests.unit.synthetic import SHIPPED
 from tests.unit.test_lora import samples, trainer
 

@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 import torch
 
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 from tests.unit.test_model_import import imported_smollm2
 
 # A shared CPU runs a 135M model fastest on one thread, and the comparisons are exact there.

@@ -14,7 +14,8 @@ from sluice.engines.inference.weights import read_weight_files
 from sluice.engines.megatron.trainer import MegatronPolicyTrainer
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
+from sluice.engines.rl.train_batch import TrainerSettings
+from sluice.engines.rl.trainer import PolicyTrainer
 from tests.unit.synthetic import SHIPPED
 from tests.unit.synthetic import random_samples as _samples
 

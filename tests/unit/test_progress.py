@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sluice.flows.run_helpers import (
+from sluice.flows.role_watch import (
     StepPace,
     format_duration,
     nap,

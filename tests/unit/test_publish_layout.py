@@ -20,7 +20,8 @@ import torch
 
 from sluice.engines.rl.groups import group_key
 from sluice.engines.rl.loss import make_policy_loss
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.trainer_files import is_trainer_state_file
 from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, save_checkpoint
 from sluice.infra.config import RunConfig

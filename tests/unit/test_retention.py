@@ -94,7 +94,7 @@ def test_retention_keeps_newest_pinned_and_unevaluated_versions_and_deletes_the_
 def test_the_version_a_run_restarted_from_stays_while_newer_ones_come_and_go(
     config, role, tmp_path
 ):
-    from sluice.tasks.process.inference_server import write_start
+    from sluice.tasks.run.paths import write_start
 
     publish(role, tmp_path, 0)
     role.registry.set_tag(0, "eval.reward", "0.1")

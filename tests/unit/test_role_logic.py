@@ -198,7 +198,7 @@ def test_a_restarted_rollout_admits_only_what_the_staleness_bound_leaves():
 
 @dataclass(frozen=True)
 class Response:
-    output_ids: list[int]
+    output_token_ids: list[int]
     behaviour_logprobs: list[float]
     token_versions: list[int]
     finish_reason: str
@@ -416,7 +416,8 @@ def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(co
 
 
 def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_behind(config):
-    from sluice.tasks.evaluate import choose_target, should_evaluate
+    from sluice.tasks.evaluate import choose_target
+    from sluice.tasks.run.eval_schedule import should_evaluate
 
     config.trainer.total_steps, config.evaluation.every = 10, 4
     assert [v for v in range(12) if should_evaluate(v, config)] == [0, 4, 8, 10, 11]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.flows.run_helpers import RunIdTaken, claim_new_run, new_run_id
+from sluice.flows.run_claim import RunIdTaken, claim_new_run, new_run_id
 from sluice.tasks.run.paths import read_json, run_paths
 
 

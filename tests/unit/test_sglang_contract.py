@@ -274,7 +274,7 @@ def test_client_reads_sglang_encoded_responses(api: ModuleType) -> None:
             return await client.generate([1, 2], {"max_new_tokens": 3})
 
     result = asyncio.run(go())
-    assert result.output_ids == [5, 6, 7]
+    assert result.output_token_ids == [5, 6, 7]
     assert result.behaviour_logprobs == [-0.5, -1.0, -0.25]
     assert result.token_versions == [3, 4, 4]
     assert result.finish_reason == "stop" and result.text == "abc" and result.weight_version == 4

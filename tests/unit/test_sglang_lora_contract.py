@@ -129,9 +129,9 @@ def test_requests_name_their_adapter_as_sglang_decodes_it(
     decoded = [api.GenerateRequest.from_json_value(body) for body in bodies]
     assert [d.lora_path for d in decoded] == [None, "1", "1", "1"]
     # Served with the adapter: every token carries its version, and it changed the model.
-    assert seen["adapted"].token_versions == [1] * len(seen["adapted"].output_ids)
+    assert seen["adapted"].token_versions == [1] * len(seen["adapted"].output_token_ids)
     assert all(set(r.token_versions) == {1} for r in seen["group"])
-    assert seen["base"].token_versions == [0] * len(seen["base"].output_ids)
+    assert seen["base"].token_versions == [0] * len(seen["base"].output_token_ids)
     assert seen["adapted"].behaviour_logprobs != seen["base"].behaviour_logprobs
 
 

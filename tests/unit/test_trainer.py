@@ -12,7 +12,8 @@ from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.rl.batching import pack_sequences
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 
 
 def make_trainer(model_dir, **settings):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sluice.engines.rl.loss import make_policy_loss
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -51,7 +51,7 @@ def make_row(token_versions: list[int], **fields: Any) -> TrajectoryRow:
 
 @dataclass(frozen=True)
 class Response:
-    output_ids: list[int]
+    output_token_ids: list[int]
     behaviour_logprobs: list[float]
     token_versions: list[int]
     finish_reason: str
@@ -147,7 +147,7 @@ def test_the_rows_of_a_group_make_the_table_the_row_dicts_made_before() -> None:
     by_hand = [
         {
             "sample_id": f"group-000000012-{k:03d}", "group_id": "group-000000012",
-            "prompt_id": "17", "prompt_token_ids": [1, 2], "response_token_ids": r.output_ids,
+            "prompt_id": "17", "prompt_token_ids": [1, 2], "response_token_ids": r.output_token_ids,
             "behaviour_logprobs": r.behaviour_logprobs, "token_versions": r.token_versions,
             "finish_reason": r.finish_reason, "reward": None, "task": "sum",
             "worker": "rollout-9", **prompt,

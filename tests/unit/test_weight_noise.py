@@ -10,7 +10,8 @@ from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.inference.weights import perturb_weights
 from sluice.engines.policy.model import load_policy_dir
 from sluice.engines.rl.loss import make_policy_loss
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings, TrainingSample
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 
 TOKENS = torch.tensor([[1, 10, 11, 12, 20, 21, 30, 31, 5]])
 

@@ -1,22 +1,18 @@
-"""What both training flows do around their roles: name the run, write its resolved
-config, start one Prefect task per role, and watch their progress until they end.
+"""What both training flows do around their roles once the run is claimed: start one
+Prefect task per role, watch their progress until they end, and collect their results.
 
 `train` (flows/train.py) and `train_sync` (flows/train_sync.py) share all of it: the
 colocated sync loop writes the same `train` status document as the async train role.
+The run's id, its claim and its resolved config are flows/run_claim.py's.
 """
 
 from __future__ import annotations
 
-import json
-import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -24,11 +20,10 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from sluice.flows.cluster import RayRoles
 from sluice.infra.config import RunConfig
 from sluice.infra.outages import outage_cause, within
-from sluice.infra.storage import exists
 from sluice.tasks.process.launcher import close_launcher, warm_launcher
 from sluice.tasks.process.supervisor import RunStopped, forget_stop, run_role, stop_roles
 from sluice.tasks.run.control import RunControl
-from sluice.tasks.run.paths import filesystem, read_json, run_paths, write_json
+from sluice.tasks.run.paths import run_paths
 from sluice.tasks.run.status import read_statuses
 
 T = TypeVar("T")
@@ -55,52 +50,6 @@ def role_launcher(config: RunConfig | None = None) -> Iterator[None]:
         yield
     finally:
         close_launcher()
-
-
-RUN_CLAIM = "run.json"
-"""Control-dir document a new run writes to take its id."""
-CLAIM_SETTLE_S = 0.5
-"""How long a new run waits before reading its claim back."""
-
-
-class RunIdTaken(RuntimeError):
-    """A new run was asked for under a run id that already has files in storage."""
-
-
-def new_run_id(config: RunConfig) -> str:
-    """`{name}-{UTC start}-{4 hex}`: two runs of one name started in the same second
-    still get two ids."""
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return f"{config.name}-{stamp}-{secrets.token_hex(2)}"
-
-
-def claim_new_run(config: RunConfig, run_id: str) -> None:
-    """Refuse to start a new run whose id already has files in storage (another run's,
-    or an earlier one that `--resume` continues), so two runs never write into each
-    other; then mark the id as taken by this run before any role starts.
-
-    Of two flows that claim the same id at the same moment, the claim read back last
-    wins and the other is refused, as with the trainer lease (infra/lease.py).
-    """
-    paths = run_paths(config, run_id)
-    fs, prefix = filesystem(config, paths.prefix)
-    if exists(fs, prefix):
-        raise RunIdTaken(
-            f"run id '{run_id}' already has files under {paths.prefix}; start a new run "
-            f"under another id, or continue that one with --resume {run_id}"
-        )
-    claim = {"claimed_by": uuid.uuid4().hex, "at": time.time()}
-    write_json(config, f"{paths.control}/{RUN_CLAIM}", claim)
-    time.sleep(CLAIM_SETTLE_S)
-    if read_json(config, f"{paths.control}/{RUN_CLAIM}") != claim:
-        raise RunIdTaken(f"run id '{run_id}' was claimed by another run starting at the same time")
-
-
-def write_resolved_config(config: RunConfig, run_id: str) -> Path:
-    path = Path(config.workdir) / "runs" / run_id / "config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-    return path
 
 
 def format_duration(seconds: float) -> str:

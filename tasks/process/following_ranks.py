@@ -1,5 +1,6 @@
-"""The ranks the train role starts on its machine when the Megatron backend is split over
-several processes (each builds its trainer with tasks/process/rank_trainer.py).
+"""The following ranks (1..N-1) of a Megatron trainer split over several processes: child
+processes the train role starts on its machine, or Ray actors (tasks/process/ray_ranks.py);
+each builds its trainer with tasks/process/trainer_factory.py.
 
 The role process is rank 0 (``sluice.engines.megatron.lockstep.LockstepTrainer`` leads). Ranks
 1..N-1 are fresh interpreters (spawned: the role process has threads and torch state
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 
 from sluice.infra.config import RunConfig
-from sluice.tasks.process.inference_server import free_port
-from sluice.tasks.process.rank_trainer import build_rank_trainer
+from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RayRanks
+from sluice.tasks.process.trainer_factory import build_rank_trainer
 
 PR_SET_PDEATHSIG = 1
 

@@ -12,7 +12,8 @@ from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.lora import LoraSettings
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
-from sluice.engines.rl.trainer import PolicyTrainer, TrainerSettings
+from sluice.engines.rl.train_batch import TrainerSettings
+from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.config import RunConfig
 
 
