@@ -191,7 +191,7 @@ train() {  # train LABEL CONFIG MODEL_DIR DEVICE SECONDS [KEY=VALUE ...]: one `s
     grep -E "Flow run .* - step |Done\.|held out reward|sluice: error|Error|Traceback" "$LOGS/train-$label.log" | tail -n 12 || true
     case $rc in
         0) echo "run $label: finished" ;;
-        124 | 143) echo "run $label: stopped by SIGTERM after ${limit} s (exit $rc); what it recorded stands" ;;
+        124 | 137 | 143) echo "run $label: stopped at its limit of ${limit} s (exit $rc: SIGTERM, then SIGKILL 30 s later if still running); what it recorded stands" ;;
         *) echo "run $label: FAILED (exit $rc); the log's end:"; tail -n 30 "$LOGS/train-$label.log"; FAILED_RUNS+=("$label") ;;
     esac
 }
