@@ -258,7 +258,39 @@ def _load_gguf(path: Path) -> tuple[Any, Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except Exception as exc:
         raise ModelImportError(f"cannot read the tokenizer of '{path}': {_one_line(exc)}") from exc
+    follow_special_tokens(tokenizer, gguf_special_token_ids(path))
     return model.eval(), tokenizer, None
+
+
+# The GGUF's own ids of the tokenizer's special tokens (llama.cpp's metadata keys).
+GGUF_SPECIAL_TOKENS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+}
+
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """{"bos" | "eos" | "pad": id} as the GGUF file declares them (absent keys left out)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    return {
+        role: int(fields[key].contents())
+        for role, key in GGUF_SPECIAL_TOKENS.items()
+        if key in fields
+    }
+
+
+def follow_special_tokens(tokenizer: Any, ids: dict[str, int]) -> None:
+    """Name the special tokens the GGUF declares, where the tokenizer transformers built
+    from it names others: transformers 5.17 makes SmolLM2's `<|im_start|>` (its bos) the
+    eos token where the GGUF says `<|im_end|>`, and leaves pad unset; 5.23 follows the
+    file. The end tokens a run stops on come from the eos token, so the file decides."""
+    for role, token_id in ids.items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is not None and getattr(tokenizer, f"{role}_token_id", None) != token_id:
+            setattr(tokenizer, f"{role}_token", token)
 
 
 def _load_huggingface(path: Path, dtype: str) -> tuple[Any, Any, Any]:

@@ -165,6 +165,29 @@ def test_a_gguf_of_an_architecture_transformers_cannot_load_is_named(tmp_path):
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 
 
+def test_the_special_tokens_a_gguf_declares_name_the_tokenizer_s(tmp_path):
+    gguf = pytest.importorskip("gguf", reason="writing a GGUF needs gguf")
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "tokens.gguf"
+    writer = gguf.GGUFWriter(str(source), arch="llama")
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert importer.gguf_special_token_ids(source) == {"bos": 1, "eos": 2}
+    # transformers 5.17 names SmolLM2's bos its eos token too: the file's ids win.
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(pad)
+    importer.follow_special_tokens(tokenizer, {"eos": eos})
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (eos, pad)
+
+
 def test_a_file_that_is_not_gguf_is_refused(tmp_path, capsys):
     source = tmp_path / "weights.bin"
     source.write_bytes(b"PK\x03\x04 not a gguf")
