@@ -87,6 +87,9 @@ def test_group(path: str) -> str:
     return path
 
 
+# First: xdist's own hook of the same name reads the groups off the marks to key its
+# scheduling, and, registered after this file, it would otherwise run before it.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
     groups = {}
