@@ -1,4 +1,5 @@
-"""Find an earlier run's directory and its saved config (`sluice eval`, `--resume`, `sluice plan`)."""
+"""Find an earlier run's directory and its saved config (`sluice eval`, `--resume`, `sluice plan`),
+and point that config at where a run under one workdir keeps its stores."""
 
 from __future__ import annotations
 
@@ -35,3 +36,19 @@ def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tup
             known = f"; runs there: {', '.join(names[-5:])}" if names else ""
             raise ConfigError(f"run '{run}' not found: no {path}{known}")
     return path.parent.name, load_config(path, overrides)
+
+
+def absolute_store_settings(workdir: Path) -> list[str]:
+    """`--set` settings that point a run's saved config at the stores a default run
+    keeps under `workdir` (`.sluice/`), by absolute paths.
+
+    The saved config's relative `sqlite:///.sluice/mlflow.db` would do after a chdir,
+    but MLflow caches its store by URI within a process: a second run's reading would
+    find the first run's (perhaps deleted) database."""
+    root = workdir / ".sluice"
+    return [
+        f"workdir={root}",
+        f"storage.url=file://{root}/runs",
+        f"tracking.uri=sqlite:///{root}/mlflow.db",
+        f"tracking.artifact_location={root}/mlartifacts",
+    ]

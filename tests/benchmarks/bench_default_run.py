@@ -64,35 +64,20 @@ def curves_of(workdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {key: points for key, points in curves.items() if points}
 
 
-def absolute_stores(workdir: Path) -> list[str]:
-    """Settings that point a run's saved config at its stores by absolute paths.
-
-    The saved config's relative `sqlite:///.sluice/mlflow.db` would do after a chdir,
-    but MLflow caches its store by URI within a process: the second seed's scoring
-    would read the first seed's (deleted) database and find no versions."""
-    root = workdir / ".sluice"
-    return [
-        f"workdir={root}",
-        f"storage.url=file://{root}/runs",
-        f"tracking.uri=sqlite:///{root}/mlflow.db",
-        f"tracking.artifact_location={root}/mlartifacts",
-    ]
-
-
 def score_after(
     workdir: Path, started_at: float, eval_overrides: list[str], within_s: float
 ) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
     """Score every version the run kept, in this process; curves by metric over the
     versions committed within `within_s` of the start, and a line per version (commit
     time since the command started, reward, greedy, length)."""
-    from sluice.flows.run_dirs import resolve_run
+    from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.config import load_config
     from sluice.tasks.evaluate import evaluate_checkpoint
     from sluice.tasks.run.paths import run_registry
 
     # Every seed's versions are scored on the same prompts with the same sampling
     # seeds, so two versions differ by their weights, not their luck.
-    stores = absolute_stores(workdir)
+    stores = absolute_store_settings(workdir)
     run_id, config = resolve_run(
         load_config(None, stores), None, [*stores, "seed=0", *eval_overrides]
     )
@@ -135,12 +120,12 @@ def run_train(command: list[str], workdir: Path, what: str) -> tuple[float, floa
 
 def role_figures(workdir: Path) -> list[str]:
     """Peak memory, throughput and pace from the run's status documents."""
-    from sluice.flows.run_dirs import resolve_run
+    from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.config import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 
-    stores = absolute_stores(workdir)
+    stores = absolute_store_settings(workdir)
     run_id, config = resolve_run(load_config(None, stores), None, stores)
     statuses = read_statuses(config, run_paths(config, run_id))
     memory = {role: s.get("peak_rss_mb") for role, s in statuses.items()}

@@ -36,7 +36,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.benchmarks.bench_default_run import (  # noqa: E402
-    absolute_stores,
     run_train,
     score_after,
 )
@@ -47,13 +46,13 @@ SCORING = ["evaluation.num_prompts=128", "evaluation.samples=2"]
 
 def figures(workdir: Path) -> dict[str, Any]:
     """What the run's status documents and storage say once it ended."""
-    from sluice.flows.run_dirs import resolve_run
+    from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.checkpoints import read_manifest
     from sluice.infra.config import load_config
     from sluice.tasks.run.paths import run_paths, run_registry
     from sluice.tasks.run.status import read_statuses
 
-    stores = absolute_stores(workdir)
+    stores = absolute_store_settings(workdir)
     run_id, config = resolve_run(load_config(None, stores), None, stores)
     statuses = read_statuses(config, run_paths(config, run_id))
     train, rollout = statuses.get("train", {}), statuses.get("rollout", {})

@@ -37,7 +37,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.benchmarks.bench_default_run import (  # noqa: E402
-    absolute_stores,
     run_train,
     score_after,
 )
@@ -67,13 +66,13 @@ def firings(
 ) -> tuple[list[tuple[int, str]], dict[str, Any], dict[str, str]]:
     """Every (step, signal) the watchdog logged, the train status's counts, and the
     course of the traced signals."""
-    from sluice.flows.run_dirs import resolve_run
+    from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.config import load_config
     from sluice.infra.tracking import get_metric_history
     from sluice.tasks.run.paths import run_paths, run_registry
     from sluice.tasks.run.status import read_statuses
 
-    stores = absolute_stores(workdir)
+    stores = absolute_store_settings(workdir)
     run_id, config = resolve_run(load_config(None, stores), None, stores)
     mlflow_run = run_registry(config, run_id).get(0).run_id
     fired = sorted(

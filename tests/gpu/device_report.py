@@ -33,26 +33,15 @@ from typing import Any
 NOTHING = "-"
 
 
-def stores(workdir: Path) -> list[str]:
-    """Settings that point a run's saved config at its stores by absolute paths."""
-    root = workdir / ".sluice"
-    return [
-        f"workdir={root}",
-        f"storage.url=file://{root}/runs",
-        f"tracking.uri=sqlite:///{root}/mlflow.db",
-        f"tracking.artifact_location={root}/mlartifacts",
-    ]
-
-
 def run_figures(workdir: Path) -> dict[str, Any]:
     """One run's figures (None where the run recorded nothing)."""
-    from sluice.flows.run_dirs import resolve_run
+    from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.config import load_config
     from sluice.infra.tracking import get_client, get_metric_history
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 
-    settings = stores(workdir)
+    settings = absolute_store_settings(workdir)
     run_id, config = resolve_run(load_config(None, settings), None, settings)
     uri = config.tracking.uri
     client = get_client(uri)
