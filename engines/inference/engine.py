@@ -174,6 +174,9 @@ class InferenceEngine(Scheduler):
         self._base_path = self.model_dir
         """The last full checkpoint loaded: the base an adapter update applies to."""
         self._adapter_base: dict[str, torch.Tensor] | None = None
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version: int | None = None
+        """Tensors of a version arriving in parts (``update_weights_from_tensors``)."""
         self.weight_noise_std = float(weight_noise_std)
         self._noise_seed = int(seed)
         if self.weight_noise_std:
@@ -216,39 +219,114 @@ class InferenceEngine(Scheduler):
                 check_model_type(model_path, self.model_type)
                 targets = match_state_dict(self.model.state_dict(), tensors, model_path)
             read_s = time.perf_counter() - t0
-            drain_wait_s = 0.0
-            if drain:
-                t1 = time.perf_counter()
-                self._drain()
-                drain_wait_s = time.perf_counter() - t1
-            with self._control():
-                t2 = time.perf_counter()
-                aborted = (
-                    self._abort_all_locked("aborted for a weight update")
-                    if abort_all_requests
-                    else 0
-                )
-                self._retract_all_locked()
-                # Retracted sequences (now or by an earlier retract pause) all
-                # have output tokens: their KV is rebuilt under the new weights.
-                recomputed = sum(1 for s in self._waiting if s.output_token_ids)
-                with torch.no_grad():
-                    for name, tensor in tensors.items():
-                        targets[name].copy_(tensor)
-                self._batch.prompts.clear()
-                if not adapter:  # a new base: the next adapter applies to these weights
-                    self._adapter_base, self._base_path = None, str(model_path)
-                self._weight_version = weight_version
-                self._admitting = True
-                apply_s = time.perf_counter() - t2
-            return WeightUpdateReport(
-                weight_version=weight_version,
-                num_recomputed_requests=recomputed,
-                num_aborted_requests=aborted,
-                read_s=read_s,
-                drain_wait_s=drain_wait_s,
-                apply_s=apply_s,
+            return self._apply(
+                tensors, targets, weight_version, read_s,
+                drain=drain, abort_all_requests=abort_all_requests,
+                new_base=None if adapter else str(model_path),
+            )  # fmt: skip
+
+    def _apply(
+        self,
+        tensors: dict[str, torch.Tensor],
+        targets: dict[str, torch.Tensor],
+        weight_version: int,
+        read_s: float,
+        *,
+        drain: bool,
+        abort_all_requests: bool,
+        new_base: str | None,
+    ) -> WeightUpdateReport:
+        """Copy ``tensors`` into the served weights between two decode steps (caller holds
+        ``_update_lock``). ``new_base``: the directory of the full checkpoint they are, ""
+        for full weights sent from another process, None for an adapter folded into the
+        base."""
+        drain_wait_s = 0.0
+        if drain:
+            t1 = time.perf_counter()
+            self._drain()
+            drain_wait_s = time.perf_counter() - t1
+        with self._control():
+            t2 = time.perf_counter()
+            aborted = (
+                self._abort_all_locked("aborted for a weight update") if abort_all_requests else 0
             )
+            self._retract_all_locked()
+            # Retracted sequences (now or by an earlier retract pause) all
+            # have output tokens: their KV is rebuilt under the new weights.
+            recomputed = sum(1 for s in self._waiting if s.output_token_ids)
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    targets[name].copy_(tensor)
+            self._batch.prompts.clear()
+            if new_base is not None:  # a new base: the next adapter applies to these weights
+                self._adapter_base = None
+                self._base_path = new_base or self._base_path
+            self._weight_version = weight_version
+            self._admitting = True
+            apply_s = time.perf_counter() - t2
+        return WeightUpdateReport(
+            weight_version=weight_version,
+            num_recomputed_requests=recomputed,
+            num_aborted_requests=aborted,
+            read_s=read_s,
+            drain_wait_s=drain_wait_s,
+            apply_s=apply_s,
+        )
+
+    def update_weights_from_tensors(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        weight_version: int,
+        *,
+        abort_all_requests: bool = False,
+        source: str = "tensors",
+    ) -> WeightUpdateReport | None:
+        """Stage tensors of policy version ``weight_version`` sent by another process (a
+        process group or shared memory); once every served tensor of that version has
+        arrived, swap them in as ``update_weights_from_disk`` does (interruptible, one
+        atomic step). Returns the report when applied, None while the version is still
+        partial. Tensors are copied out of the sender's buffers at once, so the sender
+        may free them when this returns. A call for another version drops what was
+        staged before. Raises WeightLoadError (served weights untouched) for a tensor the
+        model does not have or of the wrong shape.
+        """
+        if isinstance(weight_version, bool) or not isinstance(weight_version, int):
+            raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        with self._update_lock:
+            t0 = time.perf_counter()
+            current = self.model.state_dict()
+            unknown = sorted(n for n, _ in named_tensors if n not in current)
+            wrong = [
+                f"{n} {tuple(t.shape)} != {tuple(current[n].shape)}"
+                for n, t in named_tensors
+                if n in current and t.shape != current[n].shape
+            ]
+            if unknown or wrong:
+                problems = [f"unexpected tensors {unknown[:5]}"] if unknown else []
+                problems += [f"shape mismatches {wrong[:5]}"] if wrong else []
+                raise WeightLoadError(
+                    f"weights sent from {source} do not fit the served architecture: "
+                    + "; ".join(problems)
+                )
+            if self._staged_version != weight_version:
+                self._staged, self._staged_version = {}, weight_version
+            for name, tensor in named_tensors:
+                self._staged[name] = tensor.to(self.device, self.dtype, copy=True)
+            covered = {current[n].data_ptr() for n in self._staged}
+            if any(t.data_ptr() not in covered for t in current.values()):
+                return None
+            tensors = self._perturb(self._staged, weight_version)
+            self._staged, self._staged_version = {}, None
+            read_s = time.perf_counter() - t0
+            return self._apply(
+                tensors, current, weight_version, read_s,
+                drain=False, abort_all_requests=abort_all_requests, new_base="",
+            )  # fmt: skip
+
+    @property
+    def staged_tensors(self) -> int:
+        """Tensors received for a version not yet swapped in (a transfer under way)."""
+        return len(self._staged)
 
     def load_adapter(self, adapter_dir: str | Path, weight_version: int) -> WeightUpdateReport:
         """`update_weights_from_disk` for a LoRA adapter directory only (SGLang's

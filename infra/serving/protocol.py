@@ -17,6 +17,9 @@ decodes with them.
   /continue_generation``, ``POST /update_weights_from_disk``, ``POST
   /abort_request``, ``GET /model_info``, ``GET /server_info``, ``GET /health``,
   ``GET /get_weight_version``.
+- Weights from a trainer process: ``POST /init_weights_update_group``, ``POST
+  /update_weights_from_distributed``, ``POST /update_weights_from_tensor``, ``POST
+  /destroy_weights_update_group`` (``sluice.infra.serving.weight_routes``).
 - LoRA: ``POST /load_lora_adapter`` (``lora_name``, ``lora_path``), ``POST
   /unload_lora_adapter``, and ``lora_path`` on ``/generate`` naming the adapter a
   request is served with.
@@ -50,6 +53,10 @@ HEALTH = "/health"
 HEALTH_GENERATE = "/health_generate"
 LOAD_LORA_ADAPTER = "/load_lora_adapter"
 UNLOAD_LORA_ADAPTER = "/unload_lora_adapter"
+INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
 
 # ------------------------------------------------------------ vocabularies
 
@@ -95,6 +102,25 @@ SGLANG_SAMPLING_KEYS: tuple[str, ...] = (
 )
 
 # ----------------------------------------------------------- request bodies
+
+_BASE_REQ_FIELDS = ("rid", "http_worker_ipc")
+INIT_GROUP_FIELDS: tuple[str, ...] = (
+    "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+    *_BASE_REQ_FIELDS,
+)  # fmt: skip
+"""``/init_weights_update_group`` (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
+DESTROY_GROUP_FIELDS: tuple[str, ...] = ("group_name", *_BASE_REQ_FIELDS)
+"""``/destroy_weights_update_group`` (``DestroyWeightsUpdateGroupReqInput``)."""
+DISTRIBUTED_FIELDS: tuple[str, ...] = (
+    "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+    "weight_version", "load_format", "selector", "torch_empty_cache", *_BASE_REQ_FIELDS,
+)  # fmt: skip
+"""``/update_weights_from_distributed`` (``UpdateWeightsFromDistributedReqInput``)."""
+TENSOR_FIELDS: tuple[str, ...] = (
+    "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+    "weight_version", "selector", "torch_empty_cache", *_BASE_REQ_FIELDS,
+)  # fmt: skip
+"""``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``)."""
 
 
 class GenerateBody(TypedDict, total=False):

@@ -41,6 +41,7 @@ from sluice.infra.serving.request_parsing import (
     parse_generate_body,
     parse_update_version,
 )
+from sluice.infra.serving.weight_routes import add_weight_routes
 
 if TYPE_CHECKING:
     from sluice.engines.inference.engine import InferenceEngine
@@ -64,8 +65,10 @@ def create_app(
     tokenizer: Any = None,
     served_model_name: str | None = None,
     shutdown_engine_on_exit: bool = False,
+    weight_group_timeout_s: float = 60.0,
 ) -> FastAPI:
-    """FastAPI app serving ``engine``; starts its scheduler thread on startup."""
+    """FastAPI app serving ``engine``; starts its scheduler thread on startup. A weight
+    group's collectives (``weight_routes``) end within ``weight_group_timeout_s``."""
     from contextlib import asynccontextmanager
 
     state = _ServerState(
@@ -270,6 +273,7 @@ def create_app(
         return JSONResponse({"weight_version": protocol.version_label(engine.weight_version)})
 
     add_adapter_routes(app, engine, state.adapters)
+    add_weight_routes(app, engine, weight_group_timeout_s)
 
     @app.get(protocol.HEALTH)
     @app.get(protocol.HEALTH_GENERATE)
