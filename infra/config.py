@@ -190,9 +190,23 @@ class ServersConfig(_Section):
     """How long a server may take to answer /health after its container or actor starts."""
     max_restarts: int = Field(3, ge=0, le=1000)
     """Times one server is restarted after it died before the run fails."""
+    weight_transfer: Literal["auto", "disk", "distributed", "shared_memory"] = "auto"
+    """How a committed full-weight version's bytes reach the servers (the registry gates which version, whatever the path). `disk`: the checkpoint files (`/update_weights_from_disk`). `distributed`: the trainer broadcasts them over a process group it forms with every server (gloo on CPU, NCCL on GPU; SGLang's `/update_weights_from_distributed`; verl's and slime's NCCL refit). `shared_memory`: servers on the trainer's host map the trainer's copy (shared memory on CPU, CUDA IPC on GPU; `/update_weights_from_tensor`). `auto`: shared memory for the embedded server, a group for launched (docker, Ray) servers, disk for servers given by URL and for LoRA or multi-rank trainers. Any failure of a fast path loads that version from disk instead, and the next version tries again. A LoRA run's adapters always go as adapters (`/load_lora_adapter`: megabytes)."""
+    weight_bucket_mb: float = Field(256.0, gt=0)
+    """Largest bucket of a `distributed` transfer (MiB): one broadcast each; bigger buckets mean fewer calls and more memory on each server while it receives."""
+    weight_group_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of every collective of a weight group: forming it, and each bucket sent. A server or trainer that dies mid-transfer ends the transfer within this, and the version loads from disk."""
 
     @model_validator(mode="after")
     def _engine_settings(self) -> ServersConfig:
+        if (
+            self.engine == "sglang"
+            and self.weight_transfer == "shared_memory"
+            and not self.gpus_per_server
+        ):
+            raise ValueError(
+                "servers.weight_transfer=shared_memory with SGLang needs GPUs (CUDA IPC)"
+            )
         if self.engine == "sglang" and self.image is None and self.launch != "ray":
             raise ValueError(
                 "servers.engine=sglang in containers needs servers.image (an SGLang image)"
@@ -395,6 +409,36 @@ class RunConfig(BaseModel):
                 "set servers.launch=embedded or rollout.weight_noise_std=0"
             )
         return self
+
+    @model_validator(mode="after")
+    def _weight_transfer(self) -> RunConfig:
+        chosen = self.servers.weight_transfer
+        if chosen in ("distributed", "shared_memory") and self.trainer.world_size > 1:
+            raise ValueError(
+                f"servers.weight_transfer={chosen} sends the weights of one trainer process; "
+                f"with trainer.world_size={self.trainer.world_size} use disk or auto"
+            )
+        if chosen == "shared_memory" and (
+            self.servers.launch != "embedded" or self.rollout.server_urls
+        ):
+            raise ValueError(
+                "servers.weight_transfer=shared_memory maps the trainer's memory: only the "
+                "embedded server shares its host and /dev/shm; use distributed or auto"
+            )
+        return self
+
+
+def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "shared_memory"]:
+    """The path full-weight versions take to the servers (`servers.weight_transfer`, with
+    `auto` resolved by placement)."""
+    chosen = config.servers.weight_transfer
+    if config.trainer.lora.rank or config.trainer.world_size > 1:
+        return "disk"  # adapters go as adapters; a multi-rank trainer writes its shards
+    if chosen != "auto":
+        return chosen
+    if config.servers.launch == "embedded":
+        return "disk" if config.rollout.server_urls else "shared_memory"
+    return "distributed"
 
 
 # ---------------------------------------------------------------- loading

@@ -27,6 +27,7 @@ from typing import Any
 
 from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
 from sluice.engines.inference.profile import StepProfile
+from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.groups import group_index_of, group_key, reissue_plan, resume_gate
 from sluice.engines.rl.samples import group_rows
 from sluice.engines.rl.staleness import StalenessGate
@@ -35,7 +36,7 @@ from sluice.engines.rl.trajectory import (
     TrajectoryRow,
 )
 from sluice.infra.checkpoints import CheckpointIncomplete
-from sluice.infra.config import RunConfig
+from sluice.infra.config import RunConfig, weight_transfer_path
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving import protocol
 from sluice.infra.serving.client import (
@@ -51,6 +52,7 @@ from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
 from sluice.tasks.rollout_refill import UninformativeGroups
 from sluice.tasks.rollout_stats import RolloutStats
+from sluice.tasks.rollout_transfer import FastWeights
 from sluice.tasks.rollout_weights import ServedWeights
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, launched_server_urls
 from sluice.tasks.run.versions import serving_start, superseded
@@ -100,13 +102,18 @@ class RolloutRole(Role):
         self.health_timeout_s = 300.0
         try:
             super().__init__(config, run_id, mlflow_run_id)
-            self.weights = ServedWeights(config, self.local_dir("rollout-weights"))
+            self.stats = RolloutStats()
+            self.weights = ServedWeights(
+                config,
+                self.local_dir("rollout-weights"),
+                self.stats,
+                run_over=lambda: self.control.done_marker() is not None,
+            )
             self.writer = self.stream_writer(ROLLOUTS, writer_id=f"rollout-{os.getpid()}")
             self.prompts = PromptSource(config)
         except BaseException:
             self.stop_server()
             raise
-        self.stats = RolloutStats()
         self.current: CommittedVersion | None = None
         self.episodes: EpisodeSpec | None = None  # multi-turn: set once the tokenizer is known
         self.toolbox: ToolBox | None = None
@@ -152,11 +159,13 @@ class RolloutRole(Role):
         if self.config.rollout.interruptible:
             await client.pause(self.config.rollout.pause_mode)
             try:
-                await self.weights.load(client, staged, latest)
+                served = await self.weights.load(client, staged, latest)
             finally:
                 await client.continue_()
         else:  # wait-for-drain baseline: the server finishes in-flight requests first
-            await self.weights.load(client, staged, latest)
+            served = await self.weights.load(client, staged, latest)
+        if not served:
+            return
         self.stats.update_time_s += time.monotonic() - started
         self.stats.weight_updates += 1
         self.stats.commit_to_served_s.append(time.time() - latest.created_at_ms / 1000)
@@ -166,6 +175,20 @@ class RolloutRole(Role):
             time.monotonic() - started,
         )
         self.current = latest
+
+    def start_fast_path(self, client: InferenceClient) -> None:
+        """Full versions take `servers.weight_transfer`'s path from now on (not disk)."""
+        cfg = self.config
+        path = weight_transfer_path(cfg)
+        self.stats.weight_path = path
+        if path == "disk":
+            return
+        on_gpu = cfg.servers.gpus_per_server > 0 or (
+            cfg.servers.launch == "embedded" and resolve_device(cfg.device) != "cpu"
+        )
+        backend = "nccl" if on_gpu else "gloo"
+        self.weights.fast = FastWeights(cfg, self.run_id, path, backend)
+        log.info("full policy versions reach the servers over %s (%s)", path, backend)
 
     # ------------------------------------------------------------ groups
 
@@ -290,11 +313,14 @@ class RolloutRole(Role):
             await client.wait_until_healthy(timeout_s=self.health_timeout_s)
             if external:  # external servers start from whatever they hold
                 await self.weights.load(
-                    client, await self.weights.stage(self.current), self.current
+                    client, await self.weights.stage_files(self.current), self.current
                 )
+            self.start_fast_path(client)
             self.recoverable = external
             await self._loop(client)
         finally:
+            if self.weights.fast is not None:
+                await self.weights.fast.aclose()
             await client.aclose()
 
     async def _loop(self, client: InferenceClient) -> None:
@@ -434,8 +460,10 @@ class RolloutRole(Role):
         served = protocol.version_label(self.current.policy_version) if self.current else None
         info = await client.model_info()
         stale = [url for url, answer in info.items() if answer.get("weight_version") != served]
+        if self.weights.fast is not None:  # a restarted server left the weight group
+            await self.weights.fast.drop_group(client)
         if stale and self.current is not None:
-            staged = await self.weights.stage(self.current)
+            staged = await self.weights.stage_files(self.current)
             await self.weights.load(client, staged, self.current, urls=stale)
         log.info(
             "servers answer again; %d reloaded policy version %s",

@@ -32,6 +32,12 @@ class RolloutStats:
     commit_to_served_s: list[float] = field(default_factory=list)
     """Per weight update: seconds from the version's commit (its registry time) to every
     server holding it (the poll's wait, the fetch and the load)."""
+    weight_path: str = "disk"
+    """How full-weight versions reach the servers (`servers.weight_transfer`, resolved)."""
+    weight_bytes_moved: int = 0
+    """Bytes of weights sent to each server over a fast path (0 on disk)."""
+    weight_fallbacks: int = 0
+    """Versions a fast path failed to deliver, loaded from disk instead."""
     partial_samples: int = 0
     groups_refilled: int = 0
     """Dynamic sampling: slots given back for groups scored with all rewards equal."""
@@ -81,6 +87,9 @@ class RolloutStats:
                 if self.commit_to_served_s
                 else None
             ),
+            "weight_path": self.weight_path,
+            "weight_bytes_moved": self.weight_bytes_moved,
+            "weight_fallbacks": self.weight_fallbacks,
             "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
             "groups_refilled": self.groups_refilled,
             "max_version_span": self.max_version_span,

@@ -2,7 +2,10 @@
 
 Fetch first, while generation goes on (`stage`): one local copy every server reads, or
 with Ray server actors a copy on each actor's node. Then `load`: a full version through
-``/update_weights_from_disk``; a LoRA run's adapter version through SGLang's LoRA API
+``/update_weights_from_disk``, or without files when `servers.weight_transfer` gives a
+fast path (tasks/rollout_transfer.py: nothing is fetched, and a version the fast path
+fails to deliver is fetched and loaded from disk then); a LoRA run's adapter version
+through SGLang's LoRA API
 (``/load_lora_adapter``, then every request names it in ``lora_path``), which Sluice's
 server speaks too. A LoRA run's servers start on its base (version 0), and an adapter is
 loaded only once its recorded base digest is the one they were started on.
@@ -11,6 +14,8 @@ loaded only once its recorded base digest is the one they were started on.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from sluice.engines.policy.adapter import BASE_REFERENCE_FILE
@@ -19,16 +24,32 @@ from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving.client import InferenceClient, InferenceServerUnreachableError
 from sluice.tasks.process.ray_servers import RayServerLost, ServerActors
+from sluice.tasks.rollout_stats import RolloutStats
+from sluice.tasks.rollout_transfer import FastPathFailed, FastWeights
 from sluice.tasks.run.paths import read_json
 from sluice.tasks.run.versions import check_base, fetch_update
+
+log = logging.getLogger("sluice.rollout")
 
 
 class ServedWeights:
     """Where each version's weights are staged, and how servers load them."""
 
-    def __init__(self, config: RunConfig, cache_dir: Path) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        cache_dir: Path,
+        stats: RolloutStats | None = None,
+        run_over: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.config = config
         self.cache_dir = cache_dir
+        self.stats = stats or RolloutStats()
+        self.run_over = run_over
+        """Whether the run has ended (its done marker): a version the fast path can no
+        longer deliver then is not worth loading from disk."""
+        self.fast: FastWeights | None = None
+        """The fast path full versions take, once the servers are known (None: disk)."""
         self.actors: ServerActors | None = None  # servers.launch=ray: the server actors
         self.base_digest: str | None = None
         """Digest of the version the servers were started on (a LoRA run's base)."""
@@ -64,8 +85,15 @@ class ServedWeights:
 
     async def stage(self, version: CommittedVersion) -> dict[str | None, str]:
         """`version`'s weights where the servers read them: per server URL, a path on
-        that server's node (Ray actors), or one local path for every server (None)."""
+        that server's node (Ray actors), or one local path for every server (None).
+        Nothing (empty) when a fast path is to bring them."""
         await asyncio.to_thread(self.check, version)
+        if self.fast is not None and not self.is_adapter(version):
+            return {}
+        return await self.stage_files(version)
+
+    async def stage_files(self, version: CommittedVersion) -> dict[str | None, str]:
+        """`stage` from the checkpoint files, whatever the configured path."""
         if self.actors is not None:
             actors = self.actors
             try:
@@ -80,10 +108,22 @@ class ServedWeights:
         staged: dict[str | None, str],
         version: CommittedVersion,
         urls: list[str] | None = None,
-    ) -> None:
+    ) -> bool:
         """Every server of `urls` (all) loads `version` from where `stage` put it."""
         number, adapter = version.policy_version, self.is_adapter(version)
         targets = urls if urls is not None else client.base_urls
+        if not staged and self.fast is not None and urls is None:
+            try:
+                self.stats.weight_bytes_moved += await self.fast.load(client, number)
+                client.use_adapter(None)
+                return True
+            except FastPathFailed as exc:
+                if await asyncio.to_thread(self.run_over):  # the trainer is done and gone
+                    log.info("policy version %d not loaded: the run is over (%s)", number, exc)
+                    return False
+                self.stats.weight_fallbacks += 1
+                log.warning("policy version %d loads from disk: %s", number, exc)
+                staged = await self.stage_files(version)
         if adapter and urls is None:
             # SGLang keeps loaded adapters until told: the one in use stays (requests in
             # flight name it) beside the new one, and older ones go.
@@ -105,3 +145,4 @@ class ServedWeights:
         if urls is None:  # every server holds it now: requests go to it
             self.adapters = [*self.adapters, number] if adapter else []
             client.use_adapter(number if adapter else None)
+        return True

@@ -24,24 +24,26 @@ retrains those shards from the previous version, whose weights never saw them.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from typing import Any, NoReturn
 
 import pyarrow as pa
 
+from sluice.engines.inference.loading import resolve_dtype
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.watchdog import Firing
-from sluice.infra.config import RunConfig
+from sluice.infra.config import RunConfig, weight_transfer_path
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
-from sluice.tasks.run.paths import ROLLOUTS, SCORED
+from sluice.tasks.run.paths import ROLLOUTS, SCORED, write_json
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import (
@@ -52,6 +54,7 @@ from sluice.tasks.run.versions import (
 )
 from sluice.tasks.train_watchdog import StepWatch, stop_line
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
+from sluice.tasks.weight_sender import SENDER_FILE, WeightSender
 
 log = logging.getLogger("sluice.train")
 LOST_CHECK_INTERVAL_S = 5.0
@@ -96,6 +99,10 @@ class TrainRole(TrainingRole):
         self.background = Background("trainer-commit")
         self._pending: tuple[int, list[ShardRef], SavedVersion] | None = None
         self.watch = StepWatch(config, mlflow_run_id)
+        self.sender: WeightSender | None = None
+        self.last_offer_s: float | None = None
+        """Seconds the newest published version took to copy into the sender (the whole
+        trainer-side cost of a fast weight path)."""
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
@@ -209,6 +216,10 @@ class TrainRole(TrainingRole):
         on restart (`reconcile_ledger`), as before.
         """
         self.finish_publish()
+        if self.sender is not None:  # held before the commit: the rollout asks after it
+            started = time.monotonic()
+            self.sender.offer(version, trainer.model.state_dict())
+            self.last_offer_s = time.monotonic() - started
         saved = save_version(trainer, self.local_root / f"v{version:06d}", version)
         names = [r.name for r in consumed]
         cursor = self.buffer.cursor if self.buffer.refill else None
@@ -228,6 +239,32 @@ class TrainRole(TrainingRole):
             if old != saved.policy.parent:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def start_sender(self) -> None:
+        """Offer published versions to the rollout over a fast path (shared memory or a
+        weight group: `servers.weight_transfer`); its URL goes in the control dir."""
+        cfg = self.config
+        path = weight_transfer_path(cfg)
+        if path == "disk":
+            return
+        self.sender = WeightSender(
+            dtype=resolve_dtype(cfg.rollout.dtype),
+            bucket_bytes=int(cfg.servers.weight_bucket_mb * 2**20),
+            group_timeout_s=cfg.servers.weight_group_timeout_s,
+            bind_host="0.0.0.0" if cfg.servers.launch == "ray" else "127.0.0.1",
+        )
+        url = self.sender.start()
+        write_json(
+            cfg,
+            f"{self.paths.control}/{SENDER_FILE}",
+            {"url": url, "pid": os.getpid(), "path": path, "started_at": time.time()},
+        )
+        log.info("policy versions are offered over %s at %s", path, url)
+
+    def stop_sender(self) -> None:
+        if self.sender is not None:
+            self.sender.stop()
+            self.sender = None
+
     def stop_on_watchdog(self, firing: Firing) -> NoReturn:
         """End the role on a watchdog `stop`: the commit in flight finishes, the step
         that fired is not published, and one line names the signal and the newest
@@ -235,6 +272,7 @@ class TrainRole(TrainingRole):
         WatchdogStopped)."""
         self.finish_publish()
         self.background.close()
+        self.stop_sender()
         latest = self.registry.latest()
         self.status.update(force=True, state="stopped", **self.watch.status())
         last_good = latest.policy_version if latest is not None else 0
@@ -245,6 +283,7 @@ class TrainRole(TrainingRole):
         cfg = self.config
         latest = self.start_version()
         trainer = build_trainer(cfg, self.training_dir(latest, self.local_root))
+        self.start_sender()
         version = latest.policy_version
         total = cfg.trainer.total_steps
         B = cfg.trainer.prompts_per_batch
@@ -316,7 +355,11 @@ class TrainRole(TrainingRole):
                     "reward_mean": f"{stats['reward/mean']:.4f}",
                     **self.watch.take_tags(),
                 }
+                stall = time.monotonic()
                 self.publish(trainer, version, unpublished, tags)
+                metrics["train/publish_stall_s"] = time.monotonic() - stall
+                if self.last_offer_s is not None:
+                    metrics["train/weight_offer_s"] = self.last_offer_s
                 unpublished = []
                 log.info(
                     "step %d: reward %.3f, staleness %.2f, loss %.4f",
@@ -342,3 +385,4 @@ class TrainRole(TrainingRole):
         trainer.close()
         self.background.close()
         self.finish(version)
+        self.stop_sender()  # after the done marker: a rollout that finds it gone sees why

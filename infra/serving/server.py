@@ -347,6 +347,7 @@ def serve(
     served_model_name: str | None = None,
     log_level: str = "info",
     weight_noise_std: float = 0.0,
+    weight_group_timeout_s: float = 60.0,
 ) -> None:
     """Load ``model_dir`` and serve it until interrupted."""
     import uvicorn
@@ -369,6 +370,7 @@ def serve(
         tokenizer=load_tokenizer(model_dir),
         served_model_name=served_model_name,
         shutdown_engine_on_exit=True,
+        weight_group_timeout_s=weight_group_timeout_s,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
@@ -422,6 +424,13 @@ def main(argv: list[str] | None = None) -> None:
         help="relative std of Gaussian noise added to every weight loaded, seeded by "
         "(--seed, weight version): injects train-inference mismatch on purpose (0 = off)",
     )
+    parser.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=60.0,
+        help="deadline of every collective in a weight group (/init_weights_update_group): "
+        "forming it, and each broadcast a trainer sends",
+    )
     args = parser.parse_args(argv)
     if args.exit_with_parent:
         exit_with_parent(os.getppid())
@@ -442,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         weight_noise_std=args.weight_noise_std,
+        weight_group_timeout_s=args.weight_group_timeout_s,
     )
 
 

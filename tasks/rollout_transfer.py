@@ -1,0 +1,163 @@
+"""The rollout role's side of the fast weight paths (`servers.weight_transfer`).
+
+The registry decides which version the servers load (the alias, under the staleness
+bound: tasks/rollout.py); this module only moves the bytes of a version the registry has
+committed, from the trainer's sender (tasks/weight_sender.py) to every server:
+
+- `shared_memory`: the sender's handles to its copy go in one
+  ``/update_weights_from_tensor`` per server, which maps them (same host only).
+- `distributed`: a weight group (the sender rank 0, server i rank i + 1) is formed once
+  and kept; each version goes bucket by bucket, the sender broadcasting while every
+  server receives (``/update_weights_from_distributed``). A server stages the buckets
+  and swaps the version in at the last.
+
+Anything that goes wrong (the trainer restarted and no longer holds the version, a
+server or the trainer died mid-broadcast, a group that will not form) raises
+`FastPathFailed` naming the cause; the caller loads that version from disk and the next
+version tries the fast path again (a dropped group is formed anew).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from sluice.infra.config import RunConfig
+from sluice.infra.serving.client import InferenceClient, InferenceServerError
+from sluice.tasks.run.paths import read_json, run_paths
+from sluice.tasks.weight_sender import SENDER_FILE
+
+log = logging.getLogger("sluice.rollout")
+
+GROUP_NAME = "sluice_weights"
+"""The weight group's name on every server."""
+
+
+class FastPathFailed(RuntimeError):
+    """A version could not take the fast path; the message says why (load it from disk)."""
+
+
+class FastWeights:
+    """Moves committed versions from the trainer's sender to the servers, without files."""
+
+    def __init__(self, config: RunConfig, run_id: str, path: str, backend: str) -> None:
+        self.config, self.run_id, self.path, self.backend = config, run_id, path, backend
+        self.sender_url: str | None = None
+        self.group_ready = False
+        self.bytes_moved = 0
+        self.fallbacks = 0
+        self._http = httpx.AsyncClient(timeout=config.servers.weight_group_timeout_s + 10.0)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _sender(self) -> str:
+        if self.sender_url is None:
+            where = f"{run_paths(self.config, self.run_id).control}/{SENDER_FILE}"
+            document = await asyncio.to_thread(read_json, self.config, where)
+            if not document or not document.get("url"):
+                raise FastPathFailed("the trainer has not published its weight sender yet")
+            self.sender_url = str(document["url"])
+        return self.sender_url
+
+    async def _call(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        url = await self._sender()
+        try:
+            response = await self._http.request(method, url + route, json=body)
+        except httpx.HTTPError as exc:
+            self.sender_url = None  # a restarted trainer writes a new one
+            self.group_ready = False
+            raise FastPathFailed(
+                f"the trainer's weight sender at {url} did not answer: {exc!r}"
+            ) from exc
+        if response.status_code == 404:
+            raise FastPathFailed(f"the trainer's weight sender does not hold it ({route})")
+        if not response.is_success:
+            raise FastPathFailed(
+                f"the trainer's weight sender answered {route} with {response.status_code}: {response.text[:300]}"
+            )
+        return response.json()
+
+    async def load(self, client: InferenceClient, version: int) -> int:
+        """Every server of `client` serves `version` once this returns; the bytes moved
+        (per server). FastPathFailed when the fast path cannot do it."""
+        meta = await self._call("GET", f"/versions/{version}")
+        try:
+            if self.path == "shared_memory":
+                handles = await self._call("GET", f"/versions/{version}/handles")
+                await client.update_weights_from_tensor(
+                    handles["serialized_named_tensors"], version
+                )
+            else:
+                await self._ensure_group(client)
+                await self._broadcast(client, version, meta)
+        except InferenceServerError as exc:
+            await self.drop_group(client)
+            raise FastPathFailed(str(exc)) from exc
+        self.bytes_moved += int(meta["bytes"])
+        return int(meta["bytes"])
+
+    async def _ensure_group(self, client: InferenceClient) -> None:
+        if self.group_ready:
+            return
+        world_size = len(client.base_urls) + 1
+        opened = await self._call(
+            "POST",
+            "/groups",
+            {"group_name": GROUP_NAME, "world_size": world_size, "backend": self.backend},
+        )
+        started = time.monotonic()
+        await client.init_weights_update_group(
+            opened["master_address"], opened["master_port"], self.backend, GROUP_NAME
+        )
+        deadline = started + self.config.servers.weight_group_timeout_s
+        while True:  # the servers have joined; the sender's side completes at once
+            state = (await self._call("GET", f"/groups/{GROUP_NAME}"))["state"]
+            if state == "ready":
+                break
+            if state != "forming" or time.monotonic() > deadline:
+                await self.drop_group(client)
+                raise FastPathFailed(f"the weight group did not form: {state}")
+            await asyncio.sleep(0.02)
+        self.group_ready = True
+        log.info(
+            "weight group formed with %d servers (%s) in %.2f s",
+            len(client.base_urls),
+            self.backend,
+            time.monotonic() - started,
+        )
+
+    async def _broadcast(self, client: InferenceClient, version: int, meta: dict[str, Any]) -> None:
+        for index, bucket in enumerate(meta["buckets"]):
+            names = [meta["names"][i] for i in bucket]
+            dtypes = [meta["dtypes"][i] for i in bucket]
+            shapes = [meta["shapes"][i] for i in bucket]
+            send = asyncio.create_task(
+                self._call(
+                    "POST", f"/groups/{GROUP_NAME}/broadcast", {"version": version, "bucket": index}
+                )
+            )
+            receive = asyncio.create_task(
+                client.update_weights_from_distributed(names, dtypes, shapes, version, GROUP_NAME)
+            )
+            results = await asyncio.gather(send, receive, return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                await self.drop_group(client)
+                raise FastPathFailed(
+                    f"bucket {index} of version {version}: {failed[0]}"
+                ) from failed[0]
+
+    async def drop_group(self, client: InferenceClient) -> None:
+        """Leave the group on both sides (best effort); the next version forms a new one."""
+        self.group_ready = False
+        if self.path != "distributed":
+            return
+        await client.destroy_weights_update_group(GROUP_NAME)
+        with contextlib.suppress(FastPathFailed):
+            await self._call("DELETE", f"/groups/{GROUP_NAME}")
