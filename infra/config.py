@@ -413,10 +413,13 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _weight_transfer(self) -> RunConfig:
         chosen = self.servers.weight_transfer
-        if chosen in ("distributed", "shared_memory") and self.trainer.world_size > 1:
+        if chosen in ("distributed", "shared_memory") and (
+            self.trainer.world_size > 1 or self.trainer.backend != "torch"
+        ):
             raise ValueError(
-                f"servers.weight_transfer={chosen} sends the weights of one trainer process; "
-                f"with trainer.world_size={self.trainer.world_size} use disk or auto"
+                f"servers.weight_transfer={chosen} sends the Hugging Face weights of one torch "
+                f"trainer process; with trainer.backend={self.trainer.backend} and "
+                f"trainer.world_size={self.trainer.world_size} use disk or auto"
             )
         if chosen == "shared_memory" and (
             self.servers.launch != "embedded" or self.rollout.server_urls
@@ -432,8 +435,12 @@ def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "s
     """The path full-weight versions take to the servers (`servers.weight_transfer`, with
     `auto` resolved by placement)."""
     chosen = config.servers.weight_transfer
-    if config.trainer.lora.rank or config.trainer.world_size > 1:
-        return "disk"  # adapters go as adapters; a multi-rank trainer writes its shards
+    if (
+        config.trainer.lora.rank
+        or config.trainer.world_size > 1
+        or config.trainer.backend != "torch"
+    ):
+        return "disk"  # adapters go as adapters; Megatron's weights need converting to HF
     if chosen != "auto":
         return chosen
     if config.servers.launch == "embedded":

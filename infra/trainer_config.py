@@ -134,6 +134,8 @@ class WatchdogConfig(_Section):
 class TrainerConfig(_Section):
     """Optimisation."""
 
+    background_save: bool = True
+    """Write each published version's checkpoint (weights and optimizer state) on a background thread while the next step trains: the step pays one copy of them to host memory (three times the float32 weights, held until written) instead of the write. The version is committed, and served, only once written either way. False: write before the next step (no extra host memory). LoRA versions and the Megatron backend always write before."""
     backend: Literal["torch", "megatron"] = "torch"
     """Who trains the policy: `torch` (the Hugging Face model and torch AdamW) or `megatron` (a Megatron-core GPTModel converted from the same HF weights, Megatron's DDP, Adam and forward-backward schedule; Llama and Qwen2 shapes). Same loss, micro-batching, streams and registry; every version is published as an HF directory either way. Megatron can split the trainer over `tensor_parallel × pipeline_parallel × data_parallel` processes."""
     tensor_parallel: int = Field(1, ge=1)

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import pyarrow as pa
@@ -51,6 +52,7 @@ from sluice.tasks.run.versions import (
     read_consumed,
     read_next_group,
     save_version,
+    save_version_later,
 )
 from sluice.tasks.train_watchdog import StepWatch, stop_line
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
@@ -101,6 +103,8 @@ class TrainRole(TrainingRole):
         self.watch = StepWatch(config, mlflow_run_id)
         self.sender: WeightSender | None = None
         self.last_offer_s: float | None = None
+        self.last_write_s: float | None = None
+        """Seconds the newest deferred checkpoint write took (off the critical path)."""
         """Seconds the newest published version took to copy into the sender (the whole
         trainer-side cost of a fast weight path)."""
 
@@ -207,24 +211,54 @@ class TrainRole(TrainingRole):
     def publish(
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
     ) -> None:
-        """Save version `version` now; upload and commit it while the next step trains.
+        """Publish version `version`: its weights offered to the rollout's fast path, its
+        checkpoint written, uploaded and committed while the next step trains.
 
-        The weights are snapshotted to local disk synchronously (the next step changes
-        them). Upload and registry commit run on the background thread; the shards the
-        version consumed are acked by `finish_publish`, after the commit: a crash in
-        between retrains them from the previous version (never committed) or acks them
-        on restart (`reconcile_ledger`), as before.
+        On the trainer's critical path: the offer (one copy in the serving dtype) and a
+        copy of the weights and optimizer state to host memory (or, for a trainer that
+        cannot defer, the local save itself). The local write, the upload and the
+        registry commit run on the background thread, in that order: a version is
+        committed only once durable, and the rollout serves only committed versions, so
+        every token version a sample carries can be resumed from. The shards the version
+        consumed are acked by `finish_publish`, after the commit: a crash in between
+        retrains them from the previous version (never committed) or acks them on
+        restart (`reconcile_ledger`), as before.
         """
         self.finish_publish()
         if self.sender is not None:  # held before the commit: the rollout asks after it
             started = time.monotonic()
             self.sender.offer(version, trainer.model.state_dict())
             self.last_offer_s = time.monotonic() - started
-        saved = save_version(trainer, self.local_root / f"v{version:06d}", version)
+        local = self.local_root / f"v{version:06d}"
+        deferred = (
+            save_version_later(trainer, local, version)
+            if self.config.trainer.background_save
+            else None
+        )
+        if deferred is None:
+            saved, write = save_version(trainer, local, version), None
+        else:
+            saved, write = deferred
         names = [r.name for r in consumed]
         cursor = self.buffer.cursor if self.buffer.refill else None
-        self.background.submit(self.commit_version, saved, version, tags, names, cursor)
+        self.background.submit(self.write_and_commit, write, saved, version, tags, names, cursor)
         self._pending = (version, consumed, saved)
+
+    def write_and_commit(
+        self,
+        write: Callable[[], None] | None,
+        saved: SavedVersion,
+        version: int,
+        tags: dict[str, Any],
+        names: list[str],
+        cursor: int | None,
+    ) -> str:
+        """The background half of `publish`: the deferred local write, then the commit."""
+        if write is not None:
+            started = time.monotonic()
+            write()
+            self.last_write_s = time.monotonic() - started
+        return self.commit_version(saved, version, tags, names, cursor)
 
     def finish_publish(self) -> None:
         """Wait for the pending commit (and metric logging), then ack what it consumed."""
@@ -360,6 +394,8 @@ class TrainRole(TrainingRole):
                 metrics["train/publish_stall_s"] = time.monotonic() - stall
                 if self.last_offer_s is not None:
                     metrics["train/weight_offer_s"] = self.last_offer_s
+                if self.last_write_s is not None:
+                    metrics["train/checkpoint_write_s"] = self.last_write_s
                 unpublished = []
                 log.info(
                     "step %d: reward %.3f, staleness %.2f, loss %.4f",

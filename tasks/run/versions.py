@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,25 @@ def save_version(trainer: PolicyTrainer, local: Path, version: int) -> SavedVers
     saved = SavedVersion(local / "policy", local / "trainer_state")
     trainer.save(saved.policy, state_dir=saved.trainer_state, extra={"policy_version": version})
     return saved
+
+
+def save_version_later(
+    trainer: PolicyTrainer, local: Path, version: int
+) -> tuple[SavedVersion, Callable[[], None]] | None:
+    """`save_version` in two halves: the trainer's state copied to host memory now, and
+    a function that writes it under `local` later (off the trainer's critical path).
+    None when the trainer can only save now (`PolicyTrainer.save_later`)."""
+    write = trainer.save_later()
+    if write is None:
+        return None
+    saved = SavedVersion(local / "policy", local / "trainer_state")
+
+    def finish() -> None:
+        if local.exists():
+            shutil.rmtree(local)
+        write(saved.policy, state_dir=saved.trainer_state, extra={"policy_version": version})
+
+    return saved, finish
 
 
 def write_consumed(
