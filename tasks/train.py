@@ -214,10 +214,11 @@ class TrainRole(TrainingRole):
         """Publish version `version`: its weights offered to the rollout's fast path, its
         checkpoint written, uploaded and committed while the next step trains.
 
-        On the trainer's critical path: the offer (one copy in the serving dtype) and a
-        copy of the weights and optimizer state to host memory (or, for a trainer that
-        cannot defer, the local save itself). The local write, the upload and the
-        registry commit run on the background thread, in that order: a version is
+        On the trainer's critical path: a copy of the weights and optimizer state to
+        host memory (or, for a trainer that cannot defer, the offer to a fast path and
+        the local save themselves). The offer (a copy in the serving dtype), the local
+        write, the upload and the registry commit run on the background thread, in that
+        order: a version is
         committed only once durable, and the rollout serves only committed versions, so
         every token version a sample carries can be resumed from. The shards the version
         consumed are acked by `finish_publish`, after the commit: a crash in between
@@ -225,24 +226,35 @@ class TrainRole(TrainingRole):
         restart (`reconcile_ledger`), as before.
         """
         self.finish_publish()
-        if self.sender is not None:  # held before the commit: the rollout asks after it
-            started = time.monotonic()
-            self.sender.offer(version, trainer.model.state_dict())
-            self.last_offer_s = time.monotonic() - started
         local = self.local_root / f"v{version:06d}"
         deferred = (
             save_version_later(trainer, local, version)
             if self.config.trainer.background_save
             else None
         )
+        on_gpu = next(trainer.model.parameters()).is_cuda
+        if deferred is None or on_gpu:
+            # On a GPU the sender's copy stays on it (NCCL, CUDA IPC): a device copy.
+            self.offer(version, trainer.model.state_dict())
         if deferred is None:
             saved, write = save_version(trainer, local, version), None
         else:
-            saved, write = deferred
+            saved, write, weights = deferred
+            if self.sender is not None and not on_gpu:  # from the host copy, off the path
+                self.background.submit(self.offer, version, weights)
         names = [r.name for r in consumed]
         cursor = self.buffer.cursor if self.buffer.refill else None
         self.background.submit(self.write_and_commit, write, saved, version, tags, names, cursor)
         self._pending = (version, consumed, saved)
+
+    def offer(self, version: int, state: dict[str, Any]) -> None:
+        """Hold `version`'s weights in the sender (a fast path): before its commit, since
+        the rollout asks for a version only once the registry has it."""
+        if self.sender is None:
+            return
+        started = time.monotonic()
+        self.sender.offer(version, state)
+        self.last_offer_s = time.monotonic() - started
 
     def write_and_commit(
         self,

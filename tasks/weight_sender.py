@@ -42,10 +42,9 @@ from sluice.engines.inference.weight_sync import (
     TensorSpec,
     WeightGroup,
     WeightTransferError,
-    flatten,
+    empty_bucket,
     plan_buckets,
     serialize_named_tensors,
-    shared,
     specs_of,
     unflatten,
     unique_named_tensors,
@@ -105,14 +104,16 @@ def snapshot(
             for s, (_, t) in zip(specs_of(named), named, strict=True)
         ]
         buckets = plan_buckets(specs, bucket_bytes)
+        device = next(iter(state.values())).device
         flat = []
         for indices in buckets:
-            parts = [
-                named[i][1].to(dtype) if named[i][1].is_floating_point() else named[i][1]
-                for i in indices
-            ]
-            bucket = flatten(parts)  # a fresh tensor: the next step cannot change it
-            flat.append(shared(bucket))
+            # Allocated where another process can map it, then filled: one copy (and
+            # the dtype conversion) per tensor; the next step cannot change it.
+            bucket = empty_bucket([specs[i] for i in indices], device, shared_memory=True)
+            views = unflatten(bucket, [specs[i] for i in indices])
+            for (_, view), i in zip(views, indices, strict=True):
+                view.copy_(named[i][1])
+            flat.append(bucket)
     return HeldVersion(version, specs, buckets, flat)
 
 

@@ -285,8 +285,9 @@ class InferenceEngine(Scheduler):
         process group or shared memory); once every served tensor of that version has
         arrived, swap them in as ``update_weights_from_disk`` does (interruptible, one
         atomic step). Returns the report when applied, None while the version is still
-        partial. Tensors are copied out of the sender's buffers at once, so the sender
-        may free them when this returns. A call for another version drops what was
+        partial. The tensors are held until then (a process group's receive buffers, or
+        a mapping of the sender's shared memory, which stays valid while mapped) and
+        copied once, into the served weights. A call for another version drops what was
         staged before. Raises WeightLoadError (served weights untouched) for a tensor the
         model does not have or of the wrong shape.
         """
@@ -311,7 +312,9 @@ class InferenceEngine(Scheduler):
             if self._staged_version != weight_version:
                 self._staged, self._staged_version = {}, weight_version
             for name, tensor in named_tensors:
-                self._staged[name] = tensor.to(self.device, self.dtype, copy=True)
+                # Held, not copied: a received buffer is this call's own, and mapped
+                # shared memory stays valid while mapped, whatever the sender does.
+                self._staged[name] = tensor.to(self.device, self.dtype)
             covered = {current[n].data_ptr() for n in self._staged}
             if any(t.data_ptr() not in covered for t in current.values()):
                 return None

@@ -140,9 +140,19 @@ def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
-def empty_bucket(specs: Sequence[TensorSpec], device: torch.device | str) -> torch.Tensor:
-    """A receive buffer for the bucket ``specs`` describe."""
-    return torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+def empty_bucket(
+    specs: Sequence[TensorSpec], device: torch.device | str, *, shared_memory: bool = False
+) -> torch.Tensor:
+    """A buffer for the bucket ``specs`` describe; with ``shared_memory`` (a CPU) one
+    allocated in a named shared-memory segment (see ``shared``), with no copy."""
+    size = sum(s.nbytes for s in specs)
+    if shared_memory and torch.device(device).type == "cpu":
+        import torch.multiprocessing as mp
+
+        mp.set_sharing_strategy("file_system")
+        storage = torch.UntypedStorage._new_shared(size)
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def unflatten(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:

@@ -449,7 +449,7 @@ class PolicyTrainer:
 
         The copy is the weights and the optimizer state (three times the weights in
         float32), tied tensors kept tied, taken on the trainer's critical path; the
-        writing is not.
+        writing is not. The function's ``weights`` attribute is the copied state dict.
         """
         if self.lora is not None or (
             type(self)._save_weights_and_optimizer is not PolicyTrainer._save_weights_and_optimizer
@@ -496,6 +496,7 @@ class PolicyTrainer:
             )
             return out
 
+        write.weights = weights  # type: ignore[attr-defined]  # what a fast path may send
         return write
 
     def _saved_state(self) -> dict[str, Any]:

@@ -102,10 +102,11 @@ def save_version(trainer: PolicyTrainer, local: Path, version: int) -> SavedVers
 
 def save_version_later(
     trainer: PolicyTrainer, local: Path, version: int
-) -> tuple[SavedVersion, Callable[[], None]] | None:
+) -> tuple[SavedVersion, Callable[[], None], dict[str, Any]] | None:
     """`save_version` in two halves: the trainer's state copied to host memory now, and
-    a function that writes it under `local` later (off the trainer's critical path).
-    None when the trainer can only save now (`PolicyTrainer.save_later`)."""
+    a function that writes it under `local` later (off the trainer's critical path);
+    also the copied weights (a state dict). None when the trainer can only save now
+    (`PolicyTrainer.save_later`)."""
     write = trainer.save_later()
     if write is None:
         return None
@@ -116,7 +117,7 @@ def save_version_later(
             shutil.rmtree(local)
         write(saved.policy, state_dir=saved.trainer_state, extra={"policy_version": version})
 
-    return saved, finish
+    return saved, finish, write.weights  # type: ignore[attr-defined]
 
 
 def write_consumed(
