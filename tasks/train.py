@@ -39,6 +39,7 @@ from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.watchdog import Firing
 from sluice.infra.config import RunConfig, weight_transfer_path
+from sluice.infra.failpoints import failpoint
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
@@ -266,6 +267,8 @@ class TrainRole(TrainingRole):
         cursor: int | None,
     ) -> str:
         """The background half of `publish`: the deferred local write, then the commit."""
+        if self.sender is not None:  # offered to the servers' fast path, not yet durable
+            failpoint("train.offered_not_durable")
         if write is not None:
             started = time.monotonic()
             write()

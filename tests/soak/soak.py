@@ -8,8 +8,9 @@ Prefect API. While it trains, the driver, at random moments (seeded):
 - SIGKILLs the rollout, reward, train and evaluate processes (`--kills` each; the pid
   comes from each role's status document), which Prefect starts again (`role_retries`);
 - arms the failpoints (infra/failpoints.py) that kill the trainer between uploading a
-  checkpoint's weights and its manifest, and between creating a registry version and
-  moving the alias;
+  checkpoint's weights and its manifest, between creating a registry version and
+  moving the alias, and between holding a version for the servers' fast weight path
+  (`servers.weight_transfer`, `--weight-transfer`) and writing it durably;
 - stops the S3 endpoint for a few seconds (SIGSTOP: requests hang, then go on), and
   takes the MLflow server down for a few seconds (killed, then started again on the
   same port and database: connections are refused meanwhile).
@@ -53,7 +54,7 @@ from tests.benchmarks.bench_load import S3_ENV, S3Server  # noqa: E402
 
 BUCKET = "load"  # the bucket S3Server creates
 ROLES = ("rollout", "reward", "train", "evaluate")
-FAILPOINTS = ("checkpoint.mid_upload", "registry.before_alias")
+FAILPOINTS = ("checkpoint.mid_upload", "registry.before_alias", "train.offered_not_durable")
 OUTAGE_S = 3.0
 
 
@@ -154,7 +155,9 @@ class SoakResult:
         )
 
 
-def soak_overrides(root: Path, s3: S3Server, mlflow: MlflowServer, steps: int) -> list[str]:
+def soak_overrides(
+    root: Path, s3: S3Server, mlflow: MlflowServer, steps: int, weight_transfer: str = "auto"
+) -> list[str]:
     from tests.flows.conftest import tiny_run_overrides
 
     settings = {
@@ -167,6 +170,7 @@ def soak_overrides(root: Path, s3: S3Server, mlflow: MlflowServer, steps: int) -
         "trainer.total_steps": steps,
         "evaluation.every": 3,
         "role_retries": 1000,
+        "servers.weight_transfer": weight_transfer,
     }
     placement = ("workdir=", "storage.", "tracking.")
     tiny = [o for o in tiny_run_overrides(root, **{}) if not o.startswith(placement)]
@@ -219,7 +223,12 @@ class Driver:
 
 
 def run_soak(
-    steps: int = 48, kills: int = 2, outages: int = 2, seed: int = 0, root: Path | None = None
+    steps: int = 48,
+    kills: int = 2,
+    outages: int = 2,
+    seed: int = 0,
+    root: Path | None = None,
+    weight_transfer: str = "auto",
 ) -> SoakResult:
     from sluice.infra.config import load_config
     from sluice.tasks.run.audit import audit_run
@@ -235,7 +244,7 @@ def run_soak(
     result = SoakResult()
     try:
         mlflow = MlflowServer(root)
-        overrides = soak_overrides(root, s3, mlflow, steps)
+        overrides = soak_overrides(root, s3, mlflow, steps, weight_transfer)
         config = load_config("default", overrides)
         driver = Driver(config, s3, mlflow, plan_path)
         faults = [Fault("kill", role) for role in ROLES for _ in range(kills)]
@@ -331,8 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=2, help="SIGKILLs of each role")
     parser.add_argument("--outages", type=int, default=2, help="outages of S3 and of MLflow each")
     parser.add_argument("--seed", type=int, default=0, help="seeds when and in which order")
+    parser.add_argument(
+        "--weight-transfer",
+        default="auto",
+        choices=["auto", "disk", "distributed", "shared_memory"],
+        help="servers.weight_transfer of the run (auto: shared memory, the embedded server)",
+    )
     args = parser.parse_args(argv)
-    result = run_soak(args.steps, args.kills, args.outages, args.seed)
+    result = run_soak(
+        args.steps, args.kills, args.outages, args.seed, weight_transfer=args.weight_transfer
+    )
     print(result.line())
     problems = result.audit.problems() if result.audit is not None else ["run failed"]
     for problem in problems:

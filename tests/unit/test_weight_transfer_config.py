@@ -1,0 +1,46 @@
+"""Which path a full-weight version takes to the servers (`servers.weight_transfer`), and
+the settings refused in one line."""
+
+import pytest
+
+from sluice.infra.config import load_config, weight_transfer_path
+from sluice.infra.config_overrides import ConfigError
+
+
+def resolved(*overrides: str) -> str:
+    return weight_transfer_path(load_config("default", list(overrides)))
+
+
+def test_auto_takes_shared_memory_for_the_embedded_server():
+    assert resolved() == "shared_memory"
+
+
+def test_auto_takes_disk_for_servers_given_by_url():
+    assert resolved('rollout.server_urls=["http://10.0.0.5:30000"]') == "disk"
+
+
+def test_auto_takes_disk_for_lora_adapters_and_the_megatron_backend():
+    assert resolved("trainer.lora.rank=4") == "disk"
+    assert resolved("trainer.backend=megatron") == "disk"
+
+
+def test_an_explicit_path_is_kept():
+    assert resolved("servers.weight_transfer=distributed") == "distributed"
+    assert resolved("servers.weight_transfer=disk") == "disk"
+
+
+def test_lora_keeps_its_adapter_route_whatever_path_is_asked():
+    assert resolved("trainer.lora.rank=4", "servers.weight_transfer=distributed") == "disk"
+
+
+def test_a_fast_path_for_the_megatron_backend_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="use disk or auto"):
+        load_config("default", ["trainer.backend=megatron", "servers.weight_transfer=distributed"])
+
+
+def test_shared_memory_with_servers_by_url_is_refused():
+    with pytest.raises(ConfigError, match="only the embedded server shares its host"):
+        load_config(
+            "default",
+            ["servers.weight_transfer=shared_memory", 'rollout.server_urls=["http://h:1"]'],
+        )
