@@ -89,10 +89,11 @@ class FastWeights:
         meta = await self._call("GET", f"/versions/{version}")
         try:
             if self.path == "shared_memory":
-                handles = await self._call("GET", f"/versions/{version}/handles")
-                await client.update_weights_from_tensor(
-                    handles["serialized_named_tensors"], version
-                )
+                for url in client.base_urls:  # handles of its own for each server
+                    handles = await self._call("GET", f"/versions/{version}/handles")
+                    await client.update_weights_from_tensor(
+                        handles["serialized_named_tensors"], version, url=url
+                    )
             else:
                 await self._ensure_group(client)
                 await self._broadcast(client, version, meta)

@@ -12,7 +12,8 @@ and moves the bytes one of two ways:
 - ``GET /versions/{v}``: the tensor list and its buckets (404: not held here any more,
   load from disk);
 - ``GET /versions/{v}/handles``: shared-memory (CPU) or CUDA IPC (GPU) handles to the
-  buckets, the body of a server's ``/update_weights_from_tensor``; same host only;
+  buckets, the body of a server's ``/update_weights_from_tensor``; same host only, and
+  one request per receiving process (a handle is mapped once);
 - ``POST /groups``: open a weight group as its rank 0 (``{master_address,
   master_port}``, the body of each server's ``/init_weights_update_group``), formed in
   the background (``GET /groups/{name}``); ``POST /groups/{name}/broadcast`` sends one
@@ -65,8 +66,6 @@ class HeldVersion:
     specs: list[TensorSpec]
     buckets: list[list[int]]
     flat: list[torch.Tensor]
-    handles: str | None = None
-    """Base64 of the serialized (name, tensor) list, made on first request."""
 
     @property
     def nbytes(self) -> int:
@@ -240,6 +239,8 @@ class WeightSender:
     def stop(self) -> None:
         for name in list(self.groups):
             self.close_group(name)
+        with self._lock:
+            self.held = {}
         if self._server is not None:
             self._server.stop(timeout_s=5.0)
             self._server = None
@@ -268,10 +269,12 @@ class WeightSender:
             held = self.get(version)
             if held is None:
                 return missing(version)
-            if held.handles is None:
-                data = await asyncio.to_thread(serialize_named_tensors, held.named())
-                held.handles = base64.b64encode(data).decode()
-            return JSONResponse({"serialized_named_tensors": [held.handles]})
+            # Made afresh for each request: a handle carries one reference to the
+            # segments, which the process that maps it gives back. One fetched and never
+            # mapped keeps them until this process exits (torch's shared-memory manager
+            # removes them then): a failed update leaks one version's copy that long.
+            data = await asyncio.to_thread(serialize_named_tensors, held.named())
+            return JSONResponse({"serialized_named_tensors": [base64.b64encode(data).decode()]})
 
         @app.post("/groups")
         async def open_group(request: Request) -> JSONResponse:

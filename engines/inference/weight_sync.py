@@ -96,10 +96,13 @@ def unique_named_tensors(
     """``state``'s tensors once each (a tied weight such as an LM head sharing the
     embedding is sent under its first name, as ``save_pretrained`` writes it), detached,
     in ``dtype`` when given (floating tensors only)."""
-    seen: set[int] = set()
+    seen: set[int] = set()  # storage address + offset of each tensor sent
     out = []
     for name, tensor in state.items():
-        key = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.itemsize
+        key = (
+            int(tensor.untyped_storage().data_ptr())
+            + int(tensor.storage_offset()) * tensor.itemsize
+        )
         if key in seen and tensor.numel():
             continue
         seen.add(key)
@@ -155,6 +158,19 @@ def empty_bucket(
     return torch.empty(size, dtype=torch.uint8, device=device)
 
 
+def check_alignment(specs: Sequence[TensorSpec]) -> None:
+    """WeightTransferError unless every tensor of a flattened bucket starts at a byte
+    offset that is a multiple of its item size (what ``unflatten`` needs)."""
+    offset = 0
+    for spec in specs:
+        if offset % dtype_of(spec.dtype).itemsize:
+            raise WeightTransferError(
+                f"tensor {spec.name} starts at byte {offset} of its bucket, not a "
+                f"multiple of {spec.dtype}'s size: split the bucket there"
+            )
+        offset += spec.nbytes
+
+
 def unflatten(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
     """Views of ``flat`` as the tensors ``specs`` describe (the inverse of ``flatten``)."""
     out = []
@@ -166,6 +182,10 @@ def unflatten(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str
                 f"tensor {spec.name} starts at byte {offset}, not a multiple of {dtype}'s size"
             )
         size = spec.nbytes
+        if offset + size > flat.numel():
+            raise WeightTransferError(
+                f"bucket holds {flat.numel()} bytes, too few for tensor {spec.name} at {offset}"
+            )
         out.append((spec.name, flat[offset : offset + size].view(dtype).reshape(spec.shape)))
         offset += size
     if offset != flat.numel():
@@ -240,7 +260,7 @@ class WeightGroup:
             raise WeightTransferError(
                 f"weight group {self.group_name!r} did not form at {self.address}:{self.port} "
                 f"(rank {self.rank} of {self.world_size}, {self.backend}) within "
-                f"{self.timeout_s:.0f} s: {first_line(exc)}"
+                f"{self.timeout_s:g} s: {first_line(exc)}"
             ) from exc
         return self
 

@@ -54,6 +54,7 @@ from sluice.engines.rl.trainer_files import (
     OPTIMIZER_FILE,
     RNG_STATE_FILE,
     TRAINER_STATE_FILE,
+    deferred_save,
     move_trainer_state,
     read_tokenizer_files,
     write_tokenizer_files,
@@ -443,61 +444,22 @@ class PolicyTrainer:
 
     def save_later(self) -> Callable[..., Path] | None:
         """What ``save`` would write now, copied to host memory, and a function that
-        writes it later (same arguments as ``save``, same files): the trainer goes on
-        training while a checkpoint of the step before is written. None when this
-        trainer saves only now (a LoRA adapter is megabytes; a backend with its own save).
-
-        The copy is the weights and the optimizer state (three times the weights in
-        float32), tied tensors kept tied, taken on the trainer's critical path; the
-        writing is not. The function's ``weights`` attribute is the copied state dict.
-        """
+        writes it later (same arguments as ``save``, same files; its ``weights`` is the
+        copied state dict): the trainer goes on training while the checkpoint of the
+        step before is written (``trainer_files.deferred_save``). None when this trainer
+        saves only now (a LoRA adapter is megabytes; a backend with its own save)."""
         if self.lora is not None or (
             type(self)._save_weights_and_optimizer is not PolicyTrainer._save_weights_and_optimizer
         ):
             return None
-        copies: dict[int, torch.Tensor] = {}
-
-        def host_copy(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                key = value.untyped_storage().data_ptr() + value.storage_offset()
-                if key not in copies or copies[key].shape != value.shape:
-                    copies[key] = value.detach().to("cpu", copy=True)
-                return copies[key]
-            if isinstance(value, dict):
-                return {k: host_copy(v) for k, v in value.items()}
-            if isinstance(value, list | tuple):
-                return type(value)(host_copy(v) for v in value)
-            return value
-
-        with torch.no_grad():
-            weights = host_copy(self.model.state_dict())
-            optimizer = host_copy(self.optimizer.state_dict())
-        rng = self._generator.get_state().clone()
-        saved_state = self._saved_state()
-        model, tokenizer, files = self.model, self.tokenizer, self._tokenizer_files
-
-        def write(
-            out_dir: str | Path,
-            *,
-            state_dir: str | Path | None = None,
-            extra: dict[str, Any] | None = None,
-        ) -> Path:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out, state_dict=weights, safe_serialization=True)
-            torch.save(optimizer, out / OPTIMIZER_FILE)
-            state = out if state_dir is None else Path(state_dir)
-            if state != out:
-                move_trainer_state(out, state)
-            write_tokenizer_files(files, tokenizer, out)
-            torch.save(rng, state / RNG_STATE_FILE)
-            (state / TRAINER_STATE_FILE).write_text(
-                json.dumps({**saved_state, **(extra or {})}, indent=2)
-            )
-            return out
-
-        write.weights = weights  # type: ignore[attr-defined]  # what a fast path may send
-        return write
+        return deferred_save(
+            self.model,
+            self.optimizer,
+            self._generator.get_state(),
+            self._saved_state(),
+            self.tokenizer,
+            self._tokenizer_files,
+        )
 
     def _saved_state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` records about this trainer."""

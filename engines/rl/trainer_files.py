@@ -10,6 +10,7 @@ of a version never fetch optimizer bytes (tasks/run/versions.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,69 @@ def move_trainer_state(saved: Path, state_dir: Path) -> None:
     for path in list(saved.iterdir()):
         if path.is_file() and is_trainer_state_file(path.name):
             path.replace(state_dir / path.name)
+
+
+def host_copy(value: Any, copies: dict[tuple[int, int, tuple[int, ...]], Any] | None = None) -> Any:
+    """``value`` (a state dict, an optimizer state: tensors in dicts, lists, tuples) with
+    every tensor copied to host memory; tensors sharing storage (tied weights) stay
+    shared in the copy, so ``save_pretrained`` still writes them once."""
+    import torch
+
+    copies = {} if copies is None else copies
+    if isinstance(value, torch.Tensor):
+        key = (
+            int(value.untyped_storage().data_ptr()),
+            int(value.storage_offset()),
+            tuple(int(d) for d in value.shape),
+        )
+        if key not in copies:
+            copies[key] = value.detach().to("cpu", copy=True)
+        return copies[key]
+    if isinstance(value, dict):
+        return {k: host_copy(v, copies) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(host_copy(v, copies) for v in value)
+    return value
+
+
+def deferred_save(
+    model: Any,
+    optimizer: Any,
+    rng_state: Any,
+    saved_state: dict[str, Any],
+    tokenizer: Any,
+    tokenizer_files: dict[str, bytes],
+) -> Any:
+    """A copy of ``model``'s weights and ``optimizer``'s state in host memory (three
+    times the float32 weights: the trainer's critical path pays this copy), and a
+    function ``write(out_dir, *, state_dir=None, extra=None)`` that writes from it the
+    files ``PolicyTrainer.save`` would have written at the time of the copy."""
+    import torch
+
+    with torch.no_grad():
+        weights = host_copy(model.state_dict())
+        optimizer_state = host_copy(optimizer.state_dict())
+    rng = rng_state.clone()
+
+    def write(
+        out_dir: str | Path,
+        *,
+        state_dir: str | Path | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, state_dict=weights, safe_serialization=True)
+        torch.save(optimizer_state, out / OPTIMIZER_FILE)
+        state = out if state_dir is None else Path(state_dir)
+        if state != out:
+            move_trainer_state(out, state)
+        write_tokenizer_files(tokenizer_files, tokenizer, out)
+        torch.save(rng, state / RNG_STATE_FILE)
+        (state / TRAINER_STATE_FILE).write_text(
+            json.dumps({**saved_state, **(extra or {})}, indent=2)
+        )
+        return out
+
+    write.weights = weights  # type: ignore[attr-defined]
+    return write

@@ -401,15 +401,17 @@ class InferenceClient:
         answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
         self._check_answers(answers, f"receive policy version {version}")
 
-    async def update_weights_from_tensor(self, serialized: Sequence[str], version: int) -> None:
-        """Every server maps the tensors ``serialized`` (base64 handles to shared memory
+    async def update_weights_from_tensor(
+        self, serialized: Sequence[str], version: int, *, url: str
+    ) -> None:
+        """Server ``url`` maps the tensors ``serialized`` (base64 handles to shared memory
         or CUDA IPC on its host) as policy ``version`` (SGLang's
-        ``/update_weights_from_tensor``)."""
+        ``/update_weights_from_tensor``). One server per call: a handle is mapped once."""
         body = {
             "serialized_named_tensors": list(serialized),
             "weight_version": protocol.version_label(int(version)),
         }
-        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_TENSOR, body)
+        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_TENSOR, body, [url])
         self._check_answers(answers, f"map policy version {version}")
 
     async def load_lora_adapter(

@@ -44,6 +44,7 @@ from sluice.engines.inference.weight_sync import (
     TensorSpec,
     WeightGroup,
     WeightTransferError,
+    check_alignment,
     deserialize_named_tensors,
     empty_bucket,
     unflatten,
@@ -110,10 +111,10 @@ def _specs(body: dict[str, Any]) -> list[TensorSpec]:
 
 
 def _local_addresses() -> set[str]:
-    addresses = {"127.0.0.1", "::1", "localhost", "testclient"}
+    addresses: set[str] = {"127.0.0.1", "::1", "localhost"}
     try:
         host = socket.gethostname()
-        addresses.update(info[4][0] for info in socket.getaddrinfo(host, None))
+        addresses.update(str(info[4][0]) for info in socket.getaddrinfo(host, None))
     except OSError:
         pass
     return addresses
@@ -213,6 +214,11 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
             raise BadRequestError(
                 f"load_format={load_format!r}: expected null or {FLATTENED_BUCKET!r}"
             )
+        if load_format == FLATTENED_BUCKET:
+            try:  # before any collective: a refused body leaves the group as it was
+                check_alignment(specs)
+            except WeightTransferError as exc:
+                raise BadRequestError(str(exc)) from exc
         version, abort_all = common(body)
         group = groups.get(name)
         if group is None:

@@ -40,6 +40,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 ALLOWED_ENGINE_IMPORTS_IN_INFRA = (
     "sluice.engines.inference.types",
     "sluice.engines.inference.engine",
+    "sluice.engines.inference.weight_sync",  # serving/weight_routes: the transfer format
     "sluice.engines.policy.model",
     "sluice.engines.env.sandbox",
     "sluice.engines.rl.trajectory",  # streams/schema: the row's column names (stdlib only)

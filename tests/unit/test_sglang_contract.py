@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import importlib.util
 import json
 import sys
@@ -25,6 +26,7 @@ import pytest
 from transformers import LlamaConfig
 
 from sluice.engines.inference.engine import InferenceEngine
+from sluice.infra.serving import protocol
 from sluice.infra.serving.client import InferenceClient
 from sluice.infra.serving.protocol import SGLANG_SAMPLING_KEYS
 from sluice.infra.serving.server import create_app
@@ -336,3 +338,180 @@ def test_every_turn_of_an_episode_is_a_plain_sglang_generate_request(
             # Turn t sees the prompt and every token before it, observations included.
             seen = sum(r.generated_tokens + r.observation_tokens for r in episode.turns[:t])
             assert [3, 4, *episode.response_token_ids[:seen]] in later_turns
+
+
+# ------------------------------------------------- weights from a trainer process
+
+
+@pytest.fixture
+def io_struct_fields() -> Callable[[str], set[str]]:
+    """`_io_struct_fields`, skipping where SGLang is not installed."""
+    if _sglang_root() is None:
+        pytest.skip(
+            "sglang is not installed; `pip install --no-deps sglang==0.5.23` enables this test"
+        )
+    return _io_struct_fields
+
+
+@pytest.mark.parametrize(
+    ("ours", "sglang_class"),
+    [
+        ("INIT_GROUP_FIELDS", "InitWeightsUpdateGroupReqInput"),
+        ("DESTROY_GROUP_FIELDS", "DestroyWeightsUpdateGroupReqInput"),
+        ("DISTRIBUTED_FIELDS", "UpdateWeightsFromDistributedReqInput"),
+        ("TENSOR_FIELDS", "UpdateWeightsFromTensorReqInput"),
+    ],
+)
+def test_weight_sync_routes_take_exactly_sglangs_fields(
+    io_struct_fields: Callable[[str], set[str]], ours: str, sglang_class: str
+) -> None:
+    fields = getattr(protocol, ours)
+    assert len(fields) == len(set(fields))
+    assert set(fields) == io_struct_fields(sglang_class) | io_struct_fields("BaseReq")
+
+
+@pytest.fixture(scope="module")
+def weight_engine(model_dir: Path) -> InferenceEngine:
+    """An engine never started: these requests are refused before any generation."""
+    return InferenceEngine(model_dir, max_batch_size=1, max_seq_len=32)
+
+
+def _post(
+    engine: InferenceEngine,
+    route: str,
+    body: Any,
+    client: tuple[str, int] = ("127.0.0.1", 123),
+) -> httpx.Response:
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(engine), client=client)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sluice.test") as http:
+            return await http.post(route, json=body)
+
+    return asyncio.run(post())
+
+
+def _refusal(response: httpx.Response) -> str:
+    """The message of a 400 in SGLang's weight-route shape: `{success: false, message}`."""
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert set(body) == {"success", "message"} and body["success"] is False
+    return body["message"]
+
+
+def _evil_handles(marker: Path) -> str:
+    """Base64 of a pickle that would run `touch marker` (os.system) as it loads."""
+    return base64.b64encode(f"(lcos\nsystem\n(Vtouch {marker}\ntRa.".encode()).decode()
+
+
+_GROUP = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+_ONE_TENSOR = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]]}
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        protocol.INIT_WEIGHTS_UPDATE_GROUP,
+        protocol.DESTROY_WEIGHTS_UPDATE_GROUP,
+        protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+        protocol.UPDATE_WEIGHTS_FROM_TENSOR,
+    ],
+)
+def test_an_unknown_field_on_a_weight_route_is_refused_as_sglangs_contract_does(
+    weight_engine: InferenceEngine, route: str
+) -> None:
+    response = _post(weight_engine, route, {"group_nam": "typo"})
+    assert response.status_code == 400
+    body = response.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str)
+    assert body["error"].startswith("unknown field `group_nam`, expected one of `")
+
+
+def test_a_group_without_its_address_is_refused_naming_the_field(
+    weight_engine: InferenceEngine,
+) -> None:
+    body = {k: v for k, v in _GROUP.items() if k != "master_address"}
+    response = _post(weight_engine, protocol.INIT_WEIGHTS_UPDATE_GROUP, body)
+    assert response.status_code == 400
+    assert response.json() == {"error": "master_address is required"}
+
+
+def test_tensor_lists_of_different_lengths_are_refused(weight_engine: InferenceEngine) -> None:
+    body = {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1], [2]]}
+    response = _post(weight_engine, protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
+    assert response.status_code == 400
+    assert "as long as each other, got 2, 1 and 2" in protocol.error_message(response.json())
+
+
+def test_an_unknown_dtype_is_refused_before_any_collective(weight_engine: InferenceEngine) -> None:
+    body = {**_ONE_TENSOR, "dtypes": ["complex64"]}
+    response = _post(weight_engine, protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
+    assert response.status_code == 400
+    assert "dtype 'complex64' is not one of" in protocol.error_message(response.json())
+
+
+@pytest.mark.parametrize("backend", [{"backend": "nccl"}, {}], ids=["nccl", "sglang-default"])
+def test_a_cpu_server_refuses_an_nccl_group_in_one_line(
+    weight_engine: InferenceEngine, backend: dict[str, str]
+) -> None:
+    # SGLang's default backend is nccl: a body that names none asks for it too.
+    response = _post(weight_engine, protocol.INIT_WEIGHTS_UPDATE_GROUP, {**_GROUP, **backend})
+    message = _refusal(response)
+    assert "backend 'nccl' needs a GPU" in message and "\n" not in message
+
+
+def test_receiving_on_a_group_that_does_not_exist_is_refused(
+    weight_engine: InferenceEngine,
+) -> None:
+    body = {**_ONE_TENSOR, "group_name": "never_made", "weight_version": "1"}
+    message = _refusal(_post(weight_engine, protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body))
+    assert "weight group 'never_made' does not exist" in message
+    assert weight_engine.weight_version == 0
+
+
+def test_destroying_a_group_that_does_not_exist_answers_as_sglang_does(
+    weight_engine: InferenceEngine,
+) -> None:
+    response = _post(weight_engine, protocol.DESTROY_WEIGHTS_UPDATE_GROUP, {})
+    assert _refusal(response) == "The group to be destroyed does not exist."
+
+
+def test_tensor_handles_from_another_host_are_refused_unread(
+    weight_engine: InferenceEngine, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    body = {"serialized_named_tensors": [_evil_handles(marker)], "weight_version": "1"}
+    response = _post(
+        weight_engine, protocol.UPDATE_WEIGHTS_FROM_TENSOR, body, client=("203.0.113.5", 123)
+    )
+    assert response.status_code == 403
+    assert "not from 203.0.113.5" in protocol.error_message(response.json())
+    assert not marker.exists() and weight_engine.weight_version == 0
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        (["QUJD", "QUJD"], "must hold one base64 string"),
+        ([], "must hold one base64 string"),
+        ([7], "must hold one base64 string"),
+        (["not base64!"], "is not base64"),
+    ],
+    ids=["two", "none", "not-a-string", "not-base64"],
+)
+def test_tensor_handles_other_than_one_base64_entry_are_refused(
+    weight_engine: InferenceEngine, entries: list[Any], message: str
+) -> None:
+    body = {"serialized_named_tensors": entries, "weight_version": "1"}
+    response = _post(weight_engine, protocol.UPDATE_WEIGHTS_FROM_TENSOR, body)
+    assert response.status_code == 400
+    assert message in protocol.error_message(response.json())
+
+
+def test_tensor_handles_naming_os_system_are_refused_and_nothing_runs(
+    weight_engine: InferenceEngine, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    body = {"serialized_named_tensors": [_evil_handles(marker)], "weight_version": "1"}
+    message = _refusal(_post(weight_engine, protocol.UPDATE_WEIGHTS_FROM_TENSOR, body))
+    assert "os.system is not a tensor handle's part" in message
+    assert not marker.exists() and weight_engine.weight_version == 0
