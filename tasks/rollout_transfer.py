@@ -36,6 +36,10 @@ log = logging.getLogger("sluice.rollout")
 
 GROUP_NAME = "sluice_weights"
 """The weight group's name on every server."""
+GIVE_UP_AFTER = 3
+"""Versions in a row the fast path failed to deliver before the rollout role stops
+trying (and says so once): a placement it cannot work in would otherwise cost every
+version a deadline before its disk load."""
 
 
 class FastPathFailed(RuntimeError):
@@ -49,8 +53,7 @@ class FastWeights:
         self.config, self.run_id, self.path, self.backend = config, run_id, path, backend
         self.sender_url: str | None = None
         self.group_ready = False
-        self.bytes_moved = 0
-        self.fallbacks = 0
+        self.failures_in_a_row = 0
         self._http = httpx.AsyncClient(timeout=config.servers.weight_group_timeout_s + 10.0)
 
     async def aclose(self) -> None:
@@ -83,9 +86,29 @@ class FastWeights:
             )
         return response.json()
 
+    @property
+    def given_up(self) -> bool:
+        return self.failures_in_a_row >= GIVE_UP_AFTER
+
     async def load(self, client: InferenceClient, version: int) -> int:
         """Every server of `client` serves `version` once this returns; the bytes moved
         (per server). FastPathFailed when the fast path cannot do it."""
+        if self.given_up:
+            raise FastPathFailed(f"the fast path failed {GIVE_UP_AFTER} versions in a row")
+        try:
+            moved = await self._load(client, version)
+        except FastPathFailed:
+            self.failures_in_a_row += 1
+            if self.given_up:
+                log.error(
+                    "the %s weight path failed %d versions in a row: every later version "
+                    "loads from disk", self.path, GIVE_UP_AFTER,
+                )  # fmt: skip
+            raise
+        self.failures_in_a_row = 0
+        return moved
+
+    async def _load(self, client: InferenceClient, version: int) -> int:
         meta = await self._call("GET", f"/versions/{version}")
         try:
             if self.path == "shared_memory":
@@ -100,7 +123,6 @@ class FastWeights:
         except InferenceServerError as exc:
             await self.drop_group(client)
             raise FastPathFailed(str(exc)) from exc
-        self.bytes_moved += int(meta["bytes"])
         return int(meta["bytes"])
 
     async def _ensure_group(self, client: InferenceClient) -> None:

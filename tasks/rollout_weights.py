@@ -88,7 +88,7 @@ class ServedWeights:
         that server's node (Ray actors), or one local path for every server (None).
         Nothing (empty) when a fast path is to bring them."""
         await asyncio.to_thread(self.check, version)
-        if self.fast is not None and not self.is_adapter(version):
+        if self.fast is not None and not self.fast.given_up and not self.is_adapter(version):
             return {}
         return await self.stage_files(version)
 

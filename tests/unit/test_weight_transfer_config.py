@@ -44,3 +44,29 @@ def test_shared_memory_with_servers_by_url_is_refused():
             "default",
             ["servers.weight_transfer=shared_memory", 'rollout.server_urls=["http://h:1"]'],
         )
+
+
+def test_the_rollout_gives_up_a_fast_path_that_keeps_failing(tmp_path):
+    """Three versions in a row that the fast path could not deliver (here: no trainer
+    ever published a sender) and later versions go straight to disk, with no deadline
+    to wait out each time."""
+    import asyncio
+
+    from sluice.infra.serving.client import InferenceClient
+    from sluice.tasks.rollout_transfer import GIVE_UP_AFTER, FastPathFailed, FastWeights
+
+    config = load_config("default", [f"storage.url=file://{tmp_path}/store"])
+    fast = FastWeights(config, "no-such-run", "shared_memory", "gloo")
+
+    async def attempt(version: int) -> str:
+        async with InferenceClient(["http://127.0.0.1:9"]) as client:
+            try:
+                await fast.load(client, version)
+            except FastPathFailed as exc:
+                return str(exc)
+        return "delivered"
+
+    answers = [asyncio.run(attempt(v)) for v in range(1, GIVE_UP_AFTER + 2)]
+    assert all("has not published its weight sender" in a for a in answers[:GIVE_UP_AFTER])
+    assert fast.given_up
+    assert f"failed {GIVE_UP_AFTER} versions in a row" in answers[-1]
