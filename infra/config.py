@@ -191,7 +191,7 @@ class ServersConfig(_Section):
     max_restarts: int = Field(3, ge=0, le=1000)
     """Times one server is restarted after it died before the run fails."""
     weight_transfer: Literal["auto", "disk", "distributed", "shared_memory"] = "auto"
-    """How a committed full-weight version's bytes reach the servers (the registry gates which version, whatever the path). `disk`: the checkpoint files (`/update_weights_from_disk`). `distributed`: the trainer broadcasts them over a process group it forms with every server (gloo on CPU, NCCL on GPU; SGLang's `/update_weights_from_distributed`; verl's and slime's NCCL refit). `shared_memory`: servers on the trainer's host map the trainer's copy (shared memory on CPU, CUDA IPC on GPU; `/update_weights_from_tensor`). `auto`: shared memory for the embedded server, a group for launched (docker, Ray) servers, disk for servers given by URL and for LoRA or multi-rank trainers. Any failure of a fast path loads that version from disk instead, and the next version tries again. A LoRA run's adapters always go as adapters (`/load_lora_adapter`: megabytes)."""
+    """How a committed full-weight version's bytes reach the servers (the registry gates which version, whatever the path). `disk`: the checkpoint files (`/update_weights_from_disk`). `distributed`: the trainer broadcasts them over a process group it forms with every server (gloo on CPU, NCCL on GPU; SGLang's `/update_weights_from_distributed`; verl's and slime's NCCL refit). `shared_memory`: servers on the trainer's host map the trainer's copy (shared memory on CPU, CUDA IPC on GPU; `/update_weights_from_tensor`). `auto`: on GPUs, shared memory (CUDA IPC) for the embedded server and a group for launched (docker, Ray) servers; disk on CPUs (where the page cache serves the checkpoint as fast: docs/reports/2026-11-27-weight-sync.md), for servers given by URL, and for LoRA, Megatron or multi-rank trainers. Any failure of a fast path loads that version from disk instead, and the next version tries again. A LoRA run's adapters always go as adapters (`/load_lora_adapter`: megabytes)."""
     weight_bucket_mb: float = Field(256.0, gt=0)
     """Largest bucket of a `distributed` transfer (MiB): one broadcast each; bigger buckets mean fewer calls and more memory on each server while it receives."""
     weight_group_timeout_s: float = Field(60.0, gt=0)
@@ -443,9 +443,25 @@ def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "s
         return "disk"  # adapters go as adapters; Megatron's weights need converting to HF
     if chosen != "auto":
         return chosen
+    if not _servers_on_gpu(config):
+        # Measured on a CPU (docs/reports/2026-11-27-weight-sync.md): the checkpoint the
+        # trainer writes anyway is in the page cache, so a server reads it as fast as
+        # it maps shared memory, and faster than gloo sends it; a fast path only adds
+        # a copy that competes with training for the cores.
+        return "disk"
     if config.servers.launch == "embedded":
         return "disk" if config.rollout.server_urls else "shared_memory"
     return "distributed"
+
+
+def _servers_on_gpu(config: RunConfig) -> bool:
+    if config.servers.launch != "embedded":
+        return config.servers.gpus_per_server > 0
+    if config.device == "auto":
+        import torch
+
+        return bool(torch.cuda.is_available())
+    return config.device == "cuda"
 
 
 # ---------------------------------------------------------------- loading

@@ -4,10 +4,12 @@ Part 1, the transfer alone (``--versions`` versions per path and server dtype): 
 Sluice server process on the model, and in this process the trainer's side: the model
 in float32, nudged before each version as a step would. Per version and path:
 
-- **trainer stall**: what the trainer pays on its critical path for the servers to get
-  the version. disk: nothing beyond the durable checkpoint it writes anyway (the
-  server reads those files); shared memory and distributed: the offer, one copy of the
-  weights into the sender in the servers' dtype (``WeightSender.offer``).
+- **offer**: what the trainer's process pays for the servers to get the version. disk:
+  nothing beyond the durable checkpoint it writes anyway (the server reads those
+  files); shared memory and distributed: one copy of the weights into the sender in
+  the servers' dtype (``WeightSender.offer``). The train role makes that copy on its
+  background thread on a CPU (from the host copy its deferred save took), on the
+  critical path on a GPU (a device copy); part 2 measures the stall as the role has it.
 - **commit → served**: from the version being committed (durable, so servable) to the
   server answering that it serves it: disk, ``/update_weights_from_disk`` on the
   checkpoint (read and copy in); shared memory, the handles fetched from the sender
@@ -310,7 +312,7 @@ def main() -> None:
         flush=True,
     )
     print(
-        "\n| path | server dtype | trainer stall per version (s) | commit → served (s, median) | MB moved per version | group formed (s) |"
+        "\n| path | server dtype | offer per version (s) | commit → served (s, median) | MB moved per version | group formed (s) |"
     )
     print("|---|---|---|---|---|---|", flush=True)
     transfer_part(model, args.versions, args.dtypes, args.bucket_mb)

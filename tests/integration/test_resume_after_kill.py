@@ -49,9 +49,16 @@ def wait_for(predicate, timeout_s, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigkill_and_restart_of_each_role_loses_nothing_and_trains_nothing_twice(tmp_path):
+@pytest.mark.parametrize("weight_transfer", ["shared_memory", "distributed"])
+def test_sigkill_and_restart_of_each_role_loses_nothing_and_trains_nothing_twice(
+    tmp_path, weight_transfer
+):
+    """With each fast weight path: the killed trainer takes its sender (and the weight
+    group's rank 0) with it, the killed rollout its server; versions after the restarts
+    go over the path again, and no version is served before it is durable."""
     run_id = "kill-each"
-    config = load_config("default", tiny_run_overrides(tmp_path, **{"trainer.total_steps": STEPS}))
+    settings = {"trainer.total_steps": STEPS, "servers.weight_transfer": weight_transfer}
+    config = load_config("default", tiny_run_overrides(tmp_path, **settings))
     paths = run_paths(config, run_id)
     mlflow_run_id = start_or_resume_run(
         config.tracking.uri, config.tracking.experiment, run_name=run_id
@@ -90,3 +97,7 @@ def test_sigkill_and_restart_of_each_role_loses_nothing_and_trains_nothing_twice
     audit = audit_run(config, run_id)
     assert audit.problems() == []
     assert audit.versions == list(range(STEPS + 1))
+    rollout = read_statuses(config, paths)["rollout"]
+    assert rollout["weight_path"] == weight_transfer
+    # the restarted rollout took later versions over the path, not only from disk
+    assert rollout["weight_bytes_moved"] > 0, rollout

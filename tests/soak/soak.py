@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "--weight-transfer",
         default="auto",
         choices=["auto", "disk", "distributed", "shared_memory"],
-        help="servers.weight_transfer of the run (auto: shared memory, the embedded server)",
+        help="servers.weight_transfer of the run (auto: disk on a CPU)",
     )
     args = parser.parse_args(argv)
     result = run_soak(

@@ -11,8 +11,14 @@ def resolved(*overrides: str) -> str:
     return weight_transfer_path(load_config("default", list(overrides)))
 
 
-def test_auto_takes_shared_memory_for_the_embedded_server():
-    assert resolved() == "shared_memory"
+def test_auto_takes_disk_on_a_cpu_where_the_page_cache_serves_as_fast():
+    assert resolved("device=cpu") == "disk"
+    assert resolved("servers.launch=docker") == "disk"  # CPU servers
+
+
+def test_auto_takes_a_fast_path_for_servers_on_gpus():
+    assert resolved("device=cuda") == "shared_memory"  # the embedded server: CUDA IPC
+    assert resolved("servers.launch=docker", "servers.gpus_per_server=1") == "distributed"
 
 
 def test_auto_takes_disk_for_servers_given_by_url():
@@ -20,8 +26,8 @@ def test_auto_takes_disk_for_servers_given_by_url():
 
 
 def test_auto_takes_disk_for_lora_adapters_and_the_megatron_backend():
-    assert resolved("trainer.lora.rank=4") == "disk"
-    assert resolved("trainer.backend=megatron") == "disk"
+    assert resolved("device=cuda", "trainer.lora.rank=4") == "disk"
+    assert resolved("device=cuda", "trainer.backend=megatron") == "disk"
 
 
 def test_an_explicit_path_is_kept():
