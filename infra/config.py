@@ -431,39 +431,6 @@ class RunConfig(BaseModel):
         return self
 
 
-def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "shared_memory"]:
-    """The path full-weight versions take to the servers (`servers.weight_transfer`, with
-    `auto` resolved by placement)."""
-    chosen = config.servers.weight_transfer
-    if (
-        config.trainer.lora.rank
-        or config.trainer.world_size > 1
-        or config.trainer.backend != "torch"
-    ):
-        return "disk"  # adapters go as adapters; Megatron's weights need converting to HF
-    if chosen != "auto":
-        return chosen
-    if not _servers_on_gpu(config):
-        # Measured on a CPU (docs/reports/2026-11-27-weight-sync.md): the checkpoint the
-        # trainer writes anyway is in the page cache, so a server reads it as fast as
-        # it maps shared memory, and faster than gloo sends it; a fast path only adds
-        # a copy that competes with training for the cores.
-        return "disk"
-    if config.servers.launch == "embedded":
-        return "disk" if config.rollout.server_urls else "shared_memory"
-    return "distributed"
-
-
-def _servers_on_gpu(config: RunConfig) -> bool:
-    if config.servers.launch != "embedded":
-        return config.servers.gpus_per_server > 0
-    if config.device == "auto":
-        import torch
-
-        return bool(torch.cuda.is_available())
-    return config.device == "cuda"
-
-
 # ---------------------------------------------------------------- loading
 
 

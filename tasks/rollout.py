@@ -36,7 +36,7 @@ from sluice.engines.rl.trajectory import (
     TrajectoryRow,
 )
 from sluice.infra.checkpoints import CheckpointIncomplete
-from sluice.infra.config import RunConfig, weight_transfer_path
+from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving import protocol
 from sluice.infra.serving.client import (
@@ -46,6 +46,7 @@ from sluice.infra.serving.client import (
 )
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
+from sluice.infra.weight_transfer import weight_transfer_path
 from sluice.tasks.process.inference_server import EmbeddedServer
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource

@@ -38,12 +38,13 @@ from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.watchdog import Firing
-from sluice.infra.config import RunConfig, weight_transfer_path
+from sluice.infra.config import RunConfig
 from sluice.infra.failpoints import failpoint
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import log_metrics
+from sluice.infra.weight_transfer import weight_transfer_path
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, write_json
 from sluice.tasks.run.status import read_statuses
