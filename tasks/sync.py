@@ -19,6 +19,7 @@ import numpy as np
 from sluice.engines.env.verifiers import load_verifier
 from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.engines.inference.weight_sync import unique_named_tensors
 from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.samples import (
     batch_rows,
@@ -31,7 +32,7 @@ from sluice.infra.config import RunConfig
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.run.threads import Background
-from sluice.tasks.run.versions import save_version
+from sluice.tasks.run.versions import save_version, save_version_later
 from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
 
 SAMPLED_LENGTHS = 4096
@@ -135,11 +136,24 @@ class SyncRole(TrainingRole):
             stats.update(staleness_stats(table, version))
             metrics = trainer.train_step(samples) if samples else {}
             version += 1
-            saved = save_version(trainer, local_root / f"v{version:06d}", version)
-            engine.update_weights_from_disk(saved.policy, version)
-            # The previous step's upload and commit had this step's generation and training
-            # to run in; only now may its local copy go.
+            # The previous step's write, upload and commit had this step's generation and
+            # training to run in; they are done before this step's start.
             background.wait()
+            local = local_root / f"v{version:06d}"
+            deferred = (
+                save_version_later(trainer, local, version) if cfg.trainer.background_save else None
+            )
+            if deferred is None:
+                saved = save_version(trainer, local, version)
+                engine.update_weights_from_disk(saved.policy, version)
+            else:
+                # The engine is in this process: it takes the weights themselves (one
+                # copy, in its dtype), and the checkpoint is written, like the upload and
+                # the commit, while the next step generates and trains.
+                saved, write, _ = deferred
+                named = unique_named_tensors(trainer.model.state_dict())
+                engine.update_weights_from_tensors(named, version, source="the trainer")
+                background.submit(write)
             for old in local_root.glob("v*"):
                 if old != saved.policy.parent:
                     shutil.rmtree(old, ignore_errors=True)
