@@ -13,7 +13,8 @@ drawn length: the same useful work for both):
   [4, 192]), prompts of 16-64 tokens: one long answer must not hold up the rest.
 
 Both sample at temperature 1 with ``--batch`` sequences decoded together (Sluice's KV
-slots; transformers' ``max_requests_per_batch``) and ``--threads`` torch threads.
+slots; transformers' ``max_requests_per_batch``), at most 512 tokens per forward and
+``--threads`` torch threads.
 Prints useful tokens per second for each and their ratio per workload (median over
 rounds).
 
@@ -75,12 +76,15 @@ def run_cb(manager: object, work: list[tuple[list[int], int]], never: int) -> tu
         manager.add_request(prompt, max_new_tokens=n, eos_token_id=never)  # type: ignore[attr-defined]
         for prompt, n in work
     ]
-    produced = 0
-    for request_id in ids:
-        result = manager.get_result(request_id=request_id, timeout=600)  # type: ignore[attr-defined]
-        if result is None:
-            raise SystemExit(f"transformers' continuous batching lost request {request_id}")
-        produced += len(result.generated_tokens)
+    produced, waiting = 0, set(ids)
+    deadline = time.monotonic() + 600
+    while waiting:  # results come in finishing order, from one queue
+        result = manager.get_result(timeout=1.0)  # type: ignore[attr-defined]
+        if result is not None and result.request_id in waiting:
+            waiting.discard(result.request_id)
+            produced += len(result.generated_tokens)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"transformers' continuous batching did not finish {sorted(waiting)}")
     return produced, time.perf_counter() - started
 
 
@@ -107,8 +111,11 @@ def main() -> None:
     )
     manager = model.init_continuous_batching(
         generation_config=generation,
+        # Sized like Sluice's side: a KV cache for every request of a workload (72
+        # pages of 256 tokens; left to itself it sizes the cache by free memory, took
+        # 13 GB here and stalled) and 512 tokens per forward, Sluice's CPU prefill chunk.
         continuous_batching_config=ContinuousBatchingConfig(
-            max_requests_per_batch=args.batch, seed=0
+            max_requests_per_batch=args.batch, seed=0, num_blocks=72, max_batch_tokens=512
         ),
     )
     manager.start()

@@ -332,9 +332,13 @@ def test_zero_max_new_tokens_finishes_immediately(model_dirs: dict[str, Path]) -
     assert out.output_token_ids == [] and out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("source", ["disk", "tensors in two parts"])
 def test_weight_update_mid_generation_switches_versions_and_recomputes_kv(
-    model_dirs: dict[str, Path],
+    model_dirs: dict[str, Path], source: str
 ) -> None:
+    """Whichever way the weights arrive (a checkpoint, or tensors from another process
+    in buckets: `update_weights_from_tensors`), the update lands between two decode
+    steps, in-flight KV is recomputed and later tokens carry the new version."""
     engine = _engine(model_dirs["v0"], max_batch_size=3)
     temperature = 0.8
     ids = [
@@ -348,14 +352,25 @@ def test_weight_update_mid_generation_switches_versions_and_recomputes_kv(
     ]
     for _ in range(6):
         engine.step()
-    report = engine.update_weights_from_disk(model_dirs["v1"], 1)
+    if source == "disk":
+        report = engine.update_weights_from_disk(model_dirs["v1"], 1)
+    else:
+        from sluice.engines.inference.weights import read_weight_files
+
+        named = list(read_weight_files(model_dirs["v1"]).items())
+        half = len(named) // 2
+        assert engine.update_weights_from_tensors(named[:half], 1) is None  # staged
+        assert engine.weight_version == 0  # nothing served of version 1 yet
+        engine.step()  # generation goes on between the parts, on version 0
+        report = engine.update_weights_from_tensors(named[half:], 1)
+        assert report is not None
     assert report.num_recomputed_requests == 3 and engine.weight_version == 1
     outputs = [engine.result(i) for i in ids]
     assert engine.recomputed_tokens > 0
     for out in outputs:
         switch = out.token_versions.index(1)
-        # Six steps: one token from prefill then one per decode step.
-        assert switch == 7
+        # Six steps (seven between two parts): one token from prefill then one per decode step.
+        assert switch == (7 if source == "disk" else 8)
         assert out.token_versions == [0] * switch + [1] * (30 - switch)
         old = _hf_logprobs(model_dirs["v0"], out, temperature)
         new = _hf_logprobs(model_dirs["v1"], out, temperature)
