@@ -28,8 +28,13 @@ after the other, evaluation off. Per arm: steps, steps per second, the trainer's
 per published version (``train/publish_stall_s``, mean), commit → served (the rollout's
 median), bytes moved per update and fall-backs to disk.
 
+On a GPU (``--device cuda``) part 1 keeps the trainer's weights and the server on the
+GPU: the group is NCCL and shared memory is CUDA IPC. ``--synthetic B`` replaces the
+model's weights with a random Llama of about B billion parameters (for the ~1B row).
+
 Run: ``python tests/benchmarks/bench_weight_transfer.py --model DIR [--versions 5]
-[--minutes 4] [--dtypes float32 bfloat16] [--set key=value ...]``
+[--minutes 4] [--dtypes float32 bfloat16] [--device cuda] [--synthetic 1.0]
+[--set key=value ...]``
 """
 
 from __future__ import annotations
@@ -53,14 +58,18 @@ PATHS = ("disk", "shared_memory", "distributed")
 GROUP = "bench_weights"
 
 
-def start_server(model: Path, dtype: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    model: Path, dtype: str, log: Path, device: str = "cpu"
+) -> tuple[subprocess.Popen[bytes], str]:
     from sluice.tasks.process.ports import free_port
 
     port = free_port()
     command = [
         sys.executable, "-m", "sluice.infra.serving.server", "--model", str(model),
         "--port", str(port), "--dtype", dtype, "--max-batch-size", "4",
-        "--max-seq-len", "256", "--log-level", "warning", "--num-threads", "1",
+        "--max-seq-len", "256", "--log-level", "warning", "--device", device,
+        "--weight-group-timeout-s", "120",
+        *(["--num-threads", "1"] if device == "cpu" else []),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     return process, f"http://127.0.0.1:{port}"
@@ -94,7 +103,9 @@ def post_ok(http: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     return dict(payload)
 
 
-def transfer_part(model: Path, versions: int, dtypes: list[str], bucket_mb: float) -> list[str]:
+def transfer_part(
+    model: Path, versions: int, dtypes: list[str], bucket_mb: float, device: str = "cpu"
+) -> list[str]:
     import httpx
     import torch
     from transformers import AutoModelForCausalLM
@@ -102,7 +113,8 @@ def transfer_part(model: Path, versions: int, dtypes: list[str], bucket_mb: floa
     from sluice.engines.inference.loading import resolve_dtype
     from sluice.tasks.weight_sender import WeightSender
 
-    trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     generator = torch.Generator().manual_seed(0)
     rows: list[str] = []
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -116,7 +128,7 @@ def transfer_part(model: Path, versions: int, dtypes: list[str], bucket_mb: floa
                 fresh = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
                 trainer.load_state_dict(fresh.state_dict())
                 generator.manual_seed(0)
-                process, url = start_server(model, dtype, root / f"{path}-{dtype}.log")
+                process, url = start_server(model, dtype, root / f"{path}-{dtype}.log", device)
                 sender = WeightSender(
                     dtype=resolve_dtype(dtype),
                     bucket_bytes=int(bucket_mb * 2**20),
@@ -131,7 +143,7 @@ def transfer_part(model: Path, versions: int, dtypes: list[str], bucket_mb: floa
                         opened = post_ok(
                             http,
                             sender_url + "/groups",
-                            {"group_name": GROUP, "world_size": 2, "backend": "gloo"},
+                            {"group_name": GROUP, "world_size": 2, "backend": backend},
                         )
                         post_ok(
                             http,
@@ -141,7 +153,7 @@ def transfer_part(model: Path, versions: int, dtypes: list[str], bucket_mb: floa
                                 "rank_offset": 1,
                                 "world_size": 2,
                                 "group_name": GROUP,
-                                "backend": "gloo",
+                                "backend": backend,
                             },
                         )
                         while http.get(f"{sender_url}/groups/{GROUP}").json()["state"] == "forming":
@@ -154,7 +166,7 @@ def transfer_part(model: Path, versions: int, dtypes: list[str], bucket_mb: floa
                                 p.add_(
                                     1e-3
                                     * p.abs().mean()
-                                    * torch.randn(p.shape, generator=generator)
+                                    * torch.randn(p.shape, generator=generator).to(p.device)
                                 )
                         checkpoint = root / f"ckpt-{path}-{dtype}-v{v}"
                         if path == "disk":
@@ -295,6 +307,35 @@ def run_extras(workdir: Path) -> tuple[float, dict[str, Any]]:
     return (statistics.mean(stalls) if stalls else float("nan")), rollout
 
 
+def synthetic_model(tokenizer_from: Path, billions: float) -> Path:
+    """A random Llama of about `billions` x 1e9 parameters (hidden 2048, 16 heads, 4 key/
+    value heads, MLP 5632; layers to reach the size), with `tokenizer_from`'s tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    vocab = int(AutoConfig.from_pretrained(tokenizer_from).vocab_size)
+    hidden, mlp = 2048, 5632
+    per_layer = 4 * hidden * hidden * 3 // 4 + 3 * hidden * mlp  # attention (GQA) + MLP
+    layers = max(1, round((billions * 1e9 - vocab * hidden) / per_layer))
+    out = Path(tempfile.mkdtemp(prefix="sluice-synthetic-")) / "model"
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, out / name)
+    count = sum(p.numel() for p in model.parameters()) / 1e9
+    print(f"synthetic model: {layers} layers, {count:.2f} B parameters at {out}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, type=Path, help="an imported SmolLM2 directory")
@@ -304,8 +345,26 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: the trainer's weights and the server on the GPU, the group on "
+        "NCCL, shared memory as CUDA IPC (two processes on one GPU: NCCL refuses that, "
+        "so give the server another GPU with CUDA_VISIBLE_DEVICES ordering, or read that row "
+        "as the refusal it is)",
+    )
+    parser.add_argument(
+        "--synthetic",
+        type=float,
+        default=None,
+        metavar="BILLIONS",
+        help="instead of --model's weights, a random Llama of about this many billion "
+        "parameters (SmolLM2's tokenizer and vocabulary), built once into a temp directory",
+    )
     args = parser.parse_args()
     model = args.model.resolve()
+    if args.synthetic:
+        model = synthetic_model(model, args.synthetic)
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
         f"model {model}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -315,7 +374,7 @@ def main() -> None:
         "\n| path | server dtype | offer per version (s) | commit → served (s, median) | MB moved per version | group formed (s) |"
     )
     print("|---|---|---|---|---|---|", flush=True)
-    transfer_part(model, args.versions, args.dtypes, args.bucket_mb)
+    transfer_part(model, args.versions, args.dtypes, args.bucket_mb, args.device)
     if args.minutes > 0:
         print(
             "\n| arm | steps | steps/s (wall) | s/step | trainer stall per version (s) | "
