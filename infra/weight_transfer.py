@@ -20,7 +20,7 @@ def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "s
         return "disk"  # adapters go as adapters; Megatron's weights need converting to HF
     if chosen != "auto":
         return chosen
-    if not _servers_on_gpu(config):
+    if not servers_on_gpu(config):
         # Measured on a CPU (docs/reports/2026-11-27-weight-sync.md): the checkpoint the
         # trainer writes anyway is in the page cache, so a server reads it as fast as
         # it maps shared memory, and faster than gloo sends it; a fast path only adds
@@ -31,7 +31,9 @@ def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "s
     return "distributed"
 
 
-def _servers_on_gpu(config: RunConfig) -> bool:
+def servers_on_gpu(config: RunConfig) -> bool:
+    """Whether the run's inference servers compute on GPUs (a weight group is NCCL then,
+    gloo otherwise)."""
     if config.servers.launch != "embedded":
         return config.servers.gpus_per_server > 0
     if config.device == "auto":

@@ -27,7 +27,6 @@ from typing import Any
 
 from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
 from sluice.engines.inference.profile import StepProfile
-from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.groups import group_index_of, group_key, reissue_plan, resume_gate
 from sluice.engines.rl.samples import group_rows
 from sluice.engines.rl.staleness import StalenessGate
@@ -46,7 +45,7 @@ from sluice.infra.serving.client import (
 )
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
-from sluice.infra.weight_transfer import weight_transfer_path
+from sluice.infra.weight_transfer import servers_on_gpu, weight_transfer_path
 from sluice.tasks.process.inference_server import EmbeddedServer
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
@@ -184,10 +183,7 @@ class RolloutRole(Role):
         self.stats.weight_path = path
         if path == "disk":
             return
-        on_gpu = cfg.servers.gpus_per_server > 0 or (
-            cfg.servers.launch == "embedded" and resolve_device(cfg.device) != "cpu"
-        )
-        backend = "nccl" if on_gpu else "gloo"
+        backend = "nccl" if servers_on_gpu(cfg) else "gloo"
         self.weights.fast = FastWeights(cfg, self.run_id, path, backend)
         log.info("full policy versions reach the servers over %s (%s)", path, backend)
 

@@ -105,10 +105,10 @@ class TrainRole(TrainingRole):
         self.watch = StepWatch(config, mlflow_run_id)
         self.sender: WeightSender | None = None
         self.last_offer_s: float | None = None
-        self.last_write_s: float | None = None
-        """Seconds the newest deferred checkpoint write took (off the critical path)."""
         """Seconds the newest published version took to copy into the sender (the whole
         trainer-side cost of a fast weight path)."""
+        self.last_write_s: float | None = None
+        """Seconds the newest deferred checkpoint write took (off the critical path)."""
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
@@ -220,9 +220,8 @@ class TrainRole(TrainingRole):
         host memory (or, for a trainer that cannot defer, the offer to a fast path and
         the local save themselves). The offer (a copy in the serving dtype), the local
         write, the upload and the registry commit run on the background thread, in that
-        order: a version is
-        committed only once durable, and the rollout serves only committed versions, so
-        every token version a sample carries can be resumed from. The shards the version
+        order: a version is committed only once durable, and the rollout serves only
+        committed versions, so every token version a sample carries can be resumed from. The shards the version
         consumed are acked by `finish_publish`, after the commit: a crash in between
         retrains them from the previous version (never committed) or acks them on
         restart (`reconcile_ledger`), as before.

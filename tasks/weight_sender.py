@@ -43,10 +43,10 @@ from sluice.engines.inference.weight_sync import (
     TensorSpec,
     WeightGroup,
     WeightTransferError,
+    dtype_name,
     empty_bucket,
     plan_buckets,
     serialize_named_tensors,
-    specs_of,
     unflatten,
     unique_named_tensors,
 )
@@ -94,13 +94,11 @@ def snapshot(
     """``state`` copied once into flat buckets of ``dtype`` (shared memory on a CPU)."""
     with torch.no_grad():
         named = unique_named_tensors(state)
-        specs = [
+        specs = [  # floating tensors travel in the servers' dtype
             TensorSpec(
-                s.name,
-                str(dtype).removeprefix("torch.") if t.is_floating_point() else s.dtype,
-                s.shape,
+                name, dtype_name(dtype if t.is_floating_point() else t.dtype), tuple(t.shape)
             )
-            for s, (_, t) in zip(specs_of(named), named, strict=True)
+            for name, t in named
         ]
         buckets = plan_buckets(specs, bucket_bytes)
         device = next(iter(state.values())).device

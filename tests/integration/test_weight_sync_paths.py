@@ -300,6 +300,13 @@ def test_a_version_in_buckets_is_not_served_until_its_last_bucket_arrives(fleet:
 # ------------------------------------------------------------------ shared memory
 
 
+def _assert_released(sender: WeightSender, before: set[str]) -> None:
+    """Once the (stopped) sender lets its versions go, none of their segments is left."""
+    sender.held.clear()
+    gc.collect()
+    assert _our_shm_files() - before == set()
+
+
 def test_shared_memory_is_released_once_the_sender_lets_go(
     one_torch_thread: None, tiny_dir: Path, v1_state: dict[str, torch.Tensor], http: httpx.Client
 ) -> None:
@@ -324,10 +331,7 @@ def test_shared_memory_is_released_once_the_sender_lets_go(
         sender.stop()
         served.server.stop(timeout_s=10)
         served.engine.shutdown()
-    sender.held.clear()
-    del sender
-    gc.collect()
-    assert _our_shm_files() - before == set()
+    _assert_released(sender, before)
 
 
 def test_shared_memory_mapped_by_two_servers_is_released_once_the_sender_lets_go(
@@ -352,10 +356,7 @@ def test_shared_memory_mapped_by_two_servers_is_released_once_the_sender_lets_go
         for served in servers:
             served.server.stop(timeout_s=10)
             served.engine.shutdown()
-    sender.held.clear()
-    del sender
-    gc.collect()
-    assert _our_shm_files() - before == set()
+    _assert_released(sender, before)
 
 
 # ------------------------------------------------------------------ a server process
