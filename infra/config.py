@@ -244,6 +244,10 @@ class RewardConfig(_Section):
     """Containers the docker sandbox keeps started ahead: a run takes one (start-up is seconds, a run often less), so size it to the reward role's `num_workers`. 0 = start each run's container when it comes."""
     poll_interval_s: float = Field(0.25, gt=0)
     """How often the reward role lists the rollouts stream when it has nothing to score."""
+    overlong_buffer_tokens: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a response longer than `rollout.max_new_tokens` minus this many tokens loses reward linearly, down to `overlong_penalty` at the cap; 0 = off. Applied by the trainer before the advantages (`reward/shaping_mean`). verl: `reward_model.overlong_buffer.len`."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Reward lost by a response that reaches the cap (`overlong_buffer_tokens`). verl: `reward_model.overlong_buffer.penalty_factor`."""
 
 
 class EvaluationConfig(_Section):
@@ -380,6 +384,16 @@ class RunConfig(BaseModel):
             raise ValueError(
                 "problem.name=reasoning_gym is scored by reward.verifier=reasoning_gym "
                 f"(not {self.reward.verifier})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer(self) -> RunConfig:
+        buffer, cap = self.reward.overlong_buffer_tokens, self.rollout.max_new_tokens
+        if buffer and buffer >= cap:
+            raise ValueError(
+                f"reward.overlong_buffer_tokens={buffer} must be below "
+                f"rollout.max_new_tokens={cap}: the penalty ramps over the last tokens before the cap"
             )
         return self
 

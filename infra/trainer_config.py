@@ -13,8 +13,16 @@ from sluice.infra.problem_config import Section as _Section
 
 
 class LossConfig(_Section):
-    """Decoupled PPO objective (AReaL eq. 3)."""
+    """The policy objective (decoupled PPO, AReaL eq. 3, by default) and the terms added to it (docs/design.md §1.1)."""
 
+    objective: Literal["decoupled_ppo", "gspo", "cispo"] = "decoupled_ppo"
+    """`decoupled_ppo`: the clipped token ratio. `gspo`: the ratio of whole sequences (Zheng et al. 2025; the paper's clips are ~3e-4/4e-4, so set eps_clip_low/high to match). `cispo`: the clipped ratio as a constant weight on every token's log-prob gradient, so no token's gradient is clipped away (MiniMax-M1). verl: `actor.policy_loss.loss_mode` (`vanilla`, `gspo`, `cispo`); TRL: `importance_sampling_level: sequence` for GSPO, `loss_type: cispo`."""
+    proximal: Literal["exact", "loglinear"] = "exact"
+    """How log pi_prox is had. Either way the first minibatch's own forward gives its tokens' exactly (the weights are pi_prox before the first optimizer step); with one minibatch (the default) no extra pass runs. `exact`: one no-grad pass over the other minibatches' samples. `loglinear`: none; interpolated between the behaviour and the current log-probs by policy version (docs/design.md §1.1). AReaL: `prox_logp_method` (`recompute`, `loglinear`). Torch backend; no dropout with `loglinear`."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become the minibatch's: the mean over all trained tokens (long responses weigh more), the mean over responses of each response's token mean (every response weighs the same), or the mean over responses of each one's token sum. verl: `actor.loss_agg_mode`; TRL: `loss_type` (`dapo`/`bnpo`, `grpo`, `dr_grpo`-like)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: minus this times the aggregated token entropy of pi_theta is added to the loss (0 = off). verl: `actor.entropy_coeff`."""
     decoupled: bool = True
     """Use pi_prox as the trust-region anchor (True) or standard PPO with pi_old = pi_behav (False)."""
     eps_clip_low: float = Field(0.2, ge=0, le=1)
@@ -25,11 +33,20 @@ class LossConfig(_Section):
     """Dual-clip bound for negative advantages (None = off)."""
 
 
+class KlConfig(_Section):
+    """A KL penalty to the reference policy (version 0: the base; under LoRA, the base with the adapters off, which costs no memory; else a frozen copy in the trainer)."""
+
+    coef: float = Field(0.0, ge=0)
+    """beta: weight of the penalty in the loss; 0 = off (no reference pass runs). verl: `actor.kl_loss_coef` with `actor.use_kl_loss`; TRL: `beta`; prime-rl: `kl_tau`."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi_theta || pi_ref) (Schulman 2020): k1 = log(pi_theta/pi_ref), k2 = its square / 2, k3 = r - 1 - log r with r = pi_ref/pi_theta (unbiased, never negative; clamped to [-10, 10]). verl: `actor.kl_loss_type` (`kl`, `mse`, `low_var_kl`)."""
+
+
 class CorrectionConfig(_Section):
     """Rollout correction of the behaviour weight pi_prox / pi_behav."""
 
     mode: Literal[
-        "none", "token_tis", "sequence_tis", "token_mis", "sequence_mis", "geometric_rs"
+        "none", "token_tis", "sequence_tis", "token_mis", "sequence_mis", "geometric_rs", "icepop"
     ] = "token_tis"
     """Truncate (TIS) or mask (MIS, RS) importance weights that train-inference mismatch blows up."""
     threshold: float = Field(2.0, gt=0)
@@ -38,6 +55,10 @@ class CorrectionConfig(_Section):
     """Lower bound of exp(mean log-ratio) for geometric rejection."""
     geometric_upper: float = Field(1.001, gt=0)
     """Upper bound of exp(mean log-ratio) for geometric rejection."""
+    icepop_lower: float = Field(0.5, gt=0, le=1)
+    """`icepop`: a token whose weight pi_prox/pi_behav is below this is masked (its own token only, not its response). NeMo-RL's and AReaL's 0.5; verl: `rollout_rs: token_k1` with its lower threshold."""
+    icepop_upper: float = Field(5.0, ge=1)
+    """`icepop`: a token whose weight is above this is masked. NeMo-RL's and AReaL's 5.0 (SkyRL and slime suggest 2.0)."""
 
 
 class AdvantageConfig(_Section):
@@ -154,8 +175,16 @@ class TrainerConfig(_Section):
     """Optimizer steps per training batch (PPO minibatches)."""
     total_steps: int = Field(40, ge=1)
     """Training steps (policy versions) in the run."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each training batch, each split into `ppo_minibatches` afresh: epochs x minibatches optimizer steps per policy version. verl: `actor.ppo_epochs`; TRL: `num_iterations`."""
     lr: float = Field(1e-4, gt=0)
-    """AdamW learning rate."""
+    """AdamW learning rate (its peak, with a schedule)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Policy versions of linear warm-up to `lr`. verl: `optim.lr_warmup_steps`; TRL: `warmup_steps`."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: stay at `lr`, or fall linearly or along a cosine to `lr x lr_min_ratio` at `total_steps`. verl: `optim.warmup_style` / `lr_scheduler_type`; TRL: `lr_scheduler_type`."""
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `linear` and `cosine` decay end, as a share of `lr`. verl: `optim.min_lr_ratio`."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
@@ -178,6 +207,8 @@ class TrainerConfig(_Section):
     """Stop the run this many wall-clock seconds after the flow started (start-up included), whatever step it reached; None = run `total_steps`."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
+    kl: KlConfig = KlConfig()
+    """KL penalty to the reference policy (off by default)."""
     correction: CorrectionConfig = CorrectionConfig()
     """Rollout correction of the behaviour importance weight."""
     advantage: AdvantageConfig = AdvantageConfig()
@@ -206,6 +237,28 @@ class TrainerConfig(_Section):
             raise ValueError(
                 "trainer.lora trains adapters with the torch backend only; set "
                 "trainer.backend=torch or trainer.lora.rank=0"
+            )
+        if self.backend != "torch":
+            torch_only = {
+                "trainer.loss.proximal=loglinear": self.loss.proximal == "loglinear",
+                "trainer.kl.coef > 0": self.kl.coef > 0,
+                "an lr schedule": self.lr_warmup_steps > 0 or self.lr_decay != "constant",
+            }
+            for setting, asked_for in torch_only.items():
+                if asked_for:
+                    raise ValueError(
+                        f"{setting} needs trainer.backend=torch (the {self.backend} backend "
+                        "takes its optimizer step inside its own schedule)"
+                    )
+        if self.loss.objective != "decoupled_ppo" and self.loss.dual_clip_c is not None:
+            raise ValueError(
+                f"trainer.loss.dual_clip_c bounds decoupled_ppo's token loss; "
+                f"{self.loss.objective} has no such term: unset it"
+            )
+        if self.loss.proximal == "loglinear" and self.lora.rank and self.lora.dropout > 0:
+            raise ValueError(
+                "trainer.loss.proximal=loglinear needs trainer.lora.dropout=0: with dropout a "
+                "training forward is not pi_prox, so nothing can be had from it"
             )
         skipping = [s for s in self.watchdog.signals() if self.watchdog.action_of(s) == "skip"]
         if skipping and self.watchdog.enabled and self.backend != "torch":

@@ -32,8 +32,8 @@ from sluice.infra.config import RunConfig
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.run.threads import Background
-from sluice.tasks.run.versions import save_version, save_version_later
-from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
+from sluice.tasks.run.versions import fetch_reference, save_version, save_version_later
+from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer, reward_shaping
 
 SAMPLED_LENGTHS = 4096
 """How many of the newest (prompt, response) lengths the status keeps: the planner's workload."""
@@ -106,7 +106,8 @@ class SyncRole(TrainingRole):
         )
         if adapter.is_dir():
             engine.update_weights_from_disk(adapter, latest.policy_version)
-        trainer = build_trainer(cfg, model_dir)
+        reference = fetch_reference(cfg, self.registry, local_root / "reference")
+        trainer = build_trainer(cfg, model_dir, reference)
         advantages = advantage_fn(cfg)
         version = latest.policy_version
         background = Background("sync-commit")
@@ -132,7 +133,9 @@ class SyncRole(TrainingRole):
                 for (_, row, _), out in zip(prompts, outputs, strict=True)
             ]
             table = batch_table(batch_rows(prompts, outputs, rewards, version))
-            samples, stats = samples_from_table(table, advantages)
+            samples, stats = samples_from_table(
+                table, advantages, policy_version=version, shape_rewards=reward_shaping(cfg)
+            )
             stats.update(staleness_stats(table, version))
             metrics = trainer.train_step(samples) if samples else {}
             version += 1

@@ -51,13 +51,14 @@ from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import (
     SavedVersion,
+    fetch_reference,
     read_consumed,
     read_next_group,
     save_version,
     save_version_later,
 )
 from sluice.tasks.train_watchdog import StepWatch, stop_line
-from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer
+from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer, reward_shaping
 from sluice.tasks.weight_sender import SENDER_FILE, WeightSender
 
 log = logging.getLogger("sluice.train")
@@ -99,6 +100,7 @@ class TrainRole(TrainingRole):
             config.trainer.prompts_per_batch, refill=config.trainer.dynamic_sampling
         )
         self.advantages = advantage_fn(config)
+        self.shape_rewards = reward_shaping(config)
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-commit")
         self._pending: tuple[int, list[ShardRef], SavedVersion] | None = None
@@ -331,7 +333,8 @@ class TrainRole(TrainingRole):
     def run(self) -> None:
         cfg = self.config
         latest = self.start_version()
-        trainer = build_trainer(cfg, self.training_dir(latest, self.local_root))
+        reference = fetch_reference(cfg, self.registry, self.local_root / "reference")
+        trainer = build_trainer(cfg, self.training_dir(latest, self.local_root), reference)
         self.start_sender()
         version = latest.policy_version
         total = cfg.trainer.total_steps
@@ -356,7 +359,12 @@ class TrainRole(TrainingRole):
                     k: float("nan") for k in ("reward/mean", "staleness/mean", "staleness/max")
                 }
             else:
-                samples, stats = samples_from_table(table, self.advantages)
+                samples, stats = samples_from_table(
+                    table,
+                    self.advantages,
+                    policy_version=version,
+                    shape_rewards=self.shape_rewards,
+                )
                 stats.update(staleness_stats(table, version))
             stats["train/lost_groups"] = float(len(lost))
             if self.buffer.refill:  # the cost of keeping B informative groups per batch

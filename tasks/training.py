@@ -10,12 +10,15 @@ marker once the last step is trained, and a final status document.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
 
 from sluice.engines.policy.adapter import is_adapter_dir
 from sluice.engines.rl.advantages import AdvantageFn, make_advantage_fn
+from sluice.engines.rl.reward_shaping import overlong_penalty
+from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.checkpoints import save_checkpoint
 from sluice.infra.config import RunConfig
@@ -35,7 +38,9 @@ from sluice.tasks.run.versions import (
 )
 
 
-def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
+def build_trainer(
+    config: RunConfig, model_dir: Path, reference_dir: Path | None = None
+) -> PolicyTrainer:
     """The policy trainer the run config asks for, on the weights in `model_dir`.
 
     With more than one trainer process (`trainer.world_size`) this process becomes rank
@@ -43,7 +48,7 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     on all of them, and `close()` releases them.
     """
     if config.trainer.world_size == 1:
-        return build_rank_trainer(config, model_dir)
+        return build_rank_trainer(config, model_dir, reference_dir)
     from transformers import AutoConfig
 
     from sluice.engines.megatron import convert
@@ -57,6 +62,19 @@ def build_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
     ranks = start_following_ranks(config, model_dir)
     lead = LockstepTrainer(build_rank_trainer(config, model_dir), on_close=lambda: join(ranks))
     return lead  # type: ignore[return-value]  # a PolicyTrainer by delegation
+
+
+def reward_shaping(config: RunConfig) -> RewardShaping | None:
+    """What the trainer adds to the verifier's rewards (DAPO's overlong penalty), if anything."""
+    buffer = config.reward.overlong_buffer_tokens
+    if buffer == 0:
+        return None
+    return functools.partial(
+        overlong_penalty,
+        max_response_tokens=config.rollout.max_new_tokens,
+        buffer_tokens=buffer,
+        penalty_factor=config.reward.overlong_penalty,
+    )
 
 
 def advantage_fn(config: RunConfig) -> AdvantageFn:

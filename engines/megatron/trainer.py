@@ -50,6 +50,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
     """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (any parallel sizes)."""
 
     backend = "megatron"
+    free_proximal = False
+    """Megatron takes its optimizer step inside its forward-backward schedule, so the
+    correction and the watchdog have no place between backward and step: the π_prox
+    pass runs over the whole batch first (`PolicyTrainer._proximal_is_free`)."""
 
     def __init__(
         self,
@@ -171,8 +175,15 @@ class MegatronPolicyTrainer(PolicyTrainer):
         return _gather_data_parallel(mine, _from_last_stage(values), len(micro_batches))
 
     def _optimizer_step(
-        self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
+        self,
+        micro_batches: list[PackedBatch],
+        token_counts: list[int],
+        loss_of: MicroBatchLossFn,
+        check: Callable[[], bool] | None = None,
     ) -> tuple[float, list[dict[str, torch.Tensor]]]:
+        # free_proximal is False here: the π_prox pass runs first, so nothing is
+        # left to settle between the backward passes and the step.
+        assert check is None, "the Megatron backend steps inside its schedule"
         # Megatron's per-token mode wants each micro-batch's token *sum* and divides by the
         # total count itself (over every replica); the shared loss is normalised by that
         # total, so scale back.

@@ -1,4 +1,4 @@
-"""The policy loss of Sluice: decoupled PPO (AReaL eq. 3) as a pure function over named tensors.
+"""The policy losses of Sluice: decoupled PPO (AReaL eq. 3) as a pure function over named tensors.
 
 Three policies meet here (docs/design.md §1): π_behav produced the tokens and recorded
 ``behaviour_logprobs``; π_prox is the trainer's weights just before this update,
@@ -25,9 +25,14 @@ Departures from the paper, on purpose:
   :mod:`sluice.engines.rl.rollout_correction`); masked tokens leave the numerator only.
 - Optional dual clip (Ye et al. 2020) caps the loss of negative-advantage tokens at
   ``dual_clip_c * |A|`` so a huge ratio on a bad token cannot dominate the batch.
+- ``token_scale`` (from :func:`sluice.engines.rl.aggregation.aggregation_scale`) swaps
+  the token mean for a per-sequence mean, ``L = Σ_t mask_t w_t l_t scale_t``; without it
+  the loss is the token mean above, to the bit.
 
 Configs pick functions, never branches: :func:`make_policy_loss` binds the
-``trainer.loss`` section to a loss from :data:`POLICY_LOSSES`. Two protocols type them,
+``trainer.loss`` section to a loss from :data:`POLICY_LOSSES`: decoupled PPO here, GSPO
+and CISPO in :mod:`sluice.engines.rl.objectives` (which also holds the input checks and
+metrics all three share). Two protocols type them,
 so the type checker holds every loss to the signature the trainer calls:
 :class:`ConfigurablePolicyLoss` (a registered loss, the config's knobs as keywords) and
 :class:`PolicyLoss` (one bound to its config, as the trainer holds it).
@@ -41,6 +46,17 @@ from typing import Protocol
 
 import torch
 
+from sluice.engines.rl.aggregation import aggregate_token_losses
+from sluice.engines.rl.objectives import (
+    WITHOUT_DUAL_CLIP,
+    cispo_loss,
+    dual_clip_refusal,
+    gspo_loss,
+    masked_mean,
+    policy_terms,
+    ratio_metrics,
+)
+
 Tensor = torch.Tensor
 
 
@@ -50,7 +66,10 @@ class PolicyLoss(Protocol):
     The per-token inputs share one layout (see the module); ``num_global_tokens`` is the
     minibatch's valid-token count, the denominator of every micro-batch's loss;
     ``behaviour_weights`` replaces exp(proximal - behaviour) when rollout correction
-    computed them. Returns the scalar loss and detached scalar metrics named ``loss/*``
+    computed them. ``token_scale`` is the per-token aggregation factor of a
+    sequence-level mode (None: token mean over ``num_global_tokens``); ``sequence_ids``
+    the sequence index of each token within the micro-batch (needed by GSPO, ignored by
+    the others). Returns the scalar loss and detached scalar metrics named ``loss/*``
     (tensors: reading them would sync the device; :func:`merge_micro_batch_metrics`
     turns them into floats once per minibatch).
     """
@@ -65,6 +84,8 @@ class PolicyLoss(Protocol):
         num_global_tokens: int | float | Tensor,
         *,
         behaviour_weights: Tensor | None = None,
+        token_scale: Tensor | None = None,
+        sequence_ids: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
@@ -86,28 +107,9 @@ class ConfigurablePolicyLoss(Protocol):
         dual_clip_c: float | None = ...,
         decoupled: bool = ...,
         behaviour_weights: Tensor | None = None,
+        token_scale: Tensor | None = None,
+        sequence_ids: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
-
-
-def _check_same_shape(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
-    for name, tensor in others.items():
-        if tensor is not None and tensor.shape != reference.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)} but {reference_name} has "
-                f"{tuple(reference.shape)}; every per-token input must share one layout"
-            )
-
-
-def _masked_mean(values: Tensor, valid: Tensor, num_valid: Tensor) -> Tensor:
-    return torch.where(valid, values, 0.0).sum() / num_valid.clamp(min=1)
-
-
-def _masked_extreme(values: Tensor, valid: Tensor, largest: bool) -> Tensor:
-    fill = float("-inf") if largest else float("inf")
-    filled = torch.where(valid, values, fill)
-    extreme = filled.max() if largest else filled.min()
-    # No valid token: report 0 rather than ±inf, which would poison averaged logs.
-    return torch.where(valid.any(), extreme, torch.zeros_like(extreme))
 
 
 def decoupled_ppo_loss(
@@ -123,6 +125,8 @@ def decoupled_ppo_loss(
     dual_clip_c: float | None = None,
     decoupled: bool = True,
     behaviour_weights: Tensor | None = None,
+    token_scale: Tensor | None = None,
+    sequence_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO loss (AReaL eq. 3) of one micro-batch, normalised by the global token count.
 
@@ -150,6 +154,12 @@ def decoupled_ppo_loss(
             w = 1), for which no proximal forward pass is needed.
         behaviour_weights: precomputed w per token (from rollout correction), used instead
             of exp(proximal - behaviour). Treated as constants. Only with ``decoupled=True``.
+        token_scale: per-token aggregation factor
+            (:func:`sluice.engines.rl.aggregation.aggregation_scale`); the loss becomes
+            ``Σ_t mask_t w_t l_t token_scale_t`` instead of ``Σ_t mask_t w_t l_t /
+            num_global_tokens``. None keeps the token mean. Treated as a constant.
+        sequence_ids: sequence index of each token; ignored here (the signature is shared
+            with GSPO, which needs it).
 
     Returns:
         ``(loss, metrics)``: a scalar loss to call ``backward()`` on, and detached scalar
@@ -160,55 +170,21 @@ def decoupled_ppo_loss(
         ValueError: on mismatched shapes, a non-positive ``num_global_tokens``, or an
             inconsistent combination of options (not on out-of-range bounds: see above).
     """
-    if decoupled and proximal_logprobs is None:
-        raise ValueError(
-            "proximal_logprobs is None but decoupled=True needs π_prox; "
-            "pass the recomputed log-probs or set decoupled=False"
-        )
-    if not decoupled and behaviour_weights is not None:
-        raise ValueError(
-            "behaviour_weights were given with decoupled=False: standard PPO anchors the "
-            "ratio at π_behav, so its behaviour weight is 1 by construction"
-        )
-    _check_same_shape(
-        "logprobs",
+    terms = policy_terms(
         logprobs,
-        proximal_logprobs=proximal_logprobs,
-        behaviour_logprobs=behaviour_logprobs,
-        advantages=advantages,
-        loss_mask=loss_mask,
+        proximal_logprobs,
+        behaviour_logprobs,
+        advantages,
+        loss_mask,
+        num_global_tokens,
+        decoupled=decoupled,
         behaviour_weights=behaviour_weights,
+        token_scale=token_scale,
+        sequence_ids=sequence_ids,
     )
-    if isinstance(num_global_tokens, Tensor):
-        if num_global_tokens.numel() != 1:
-            raise ValueError("num_global_tokens must be a scalar")
-    elif num_global_tokens <= 0:
-        raise ValueError(
-            f"num_global_tokens must be positive, got {num_global_tokens}; "
-            "a global batch without response tokens has no loss"
-        )
-
-    dtype = logprobs.dtype
-    mask = loss_mask.to(dtype)
-    valid = mask > 0
-    num_valid = valid.sum()
-    behaviour = behaviour_logprobs.detach().to(dtype)
-
-    # Masked positions (prompts, padding) may hold arbitrary log-probs; zeroing their
-    # log-ratios keeps exp() finite, so 0 * inf can never turn the loss into NaN.
-    if decoupled:
-        assert proximal_logprobs is not None
-        anchor = proximal_logprobs.detach().to(dtype)
-        log_ratio = torch.where(valid, logprobs - anchor, 0.0)
-        if behaviour_weights is None:
-            weights = torch.exp(torch.where(valid, anchor - behaviour, 0.0))
-        else:
-            weights = behaviour_weights.detach().to(dtype)
-    else:
-        log_ratio = torch.where(valid, logprobs - behaviour, 0.0)
-        weights = torch.ones_like(logprobs)
+    dtype, mask, valid, num_valid = terms.dtype, terms.mask, terms.valid, terms.num_valid
+    log_ratio, weights, advantages = terms.log_ratio, terms.weights, terms.advantages
     ratio = torch.exp(log_ratio)
-    advantages = torch.where(valid, advantages.detach().to(dtype), 0.0)
 
     unclipped_loss = -advantages * ratio
     clipped_ratio = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
@@ -223,32 +199,27 @@ def decoupled_ppo_loss(
         dual_active = torch.zeros_like(valid)
 
     weighted = torch.where(valid, mask * weights * token_loss, 0.0)
-    loss = weighted.sum() / num_global_tokens
+    loss = aggregate_token_losses(weighted, num_global_tokens, token_scale)
 
     with torch.no_grad():
         low = (ratio < 1.0 - eps_clip_low) & (advantages < 0)
         high = (ratio > 1.0 + eps_clip_high) & (advantages > 0)
-        # k3 estimator of KL(π_anchor ‖ π_θ) with r = π_θ / π_anchor: r - 1 - log r >= 0.
-        approx_kl = ratio - 1.0 - log_ratio
         metrics = {
             "loss/policy_loss": loss.detach(),
             "loss/valid_tokens": num_valid.to(dtype),
-            "loss/clip_fraction": _masked_mean(clip_active.to(dtype), valid, num_valid),
-            "loss/clip_low_fraction": _masked_mean(low.to(dtype), valid, num_valid),
-            "loss/clip_high_fraction": _masked_mean(high.to(dtype), valid, num_valid),
-            "loss/dual_clip_fraction": _masked_mean(dual_active.to(dtype), valid, num_valid),
-            "loss/approx_kl": _masked_mean(approx_kl.detach(), valid, num_valid),
-            "loss/ratio_mean": _masked_mean(ratio.detach(), valid, num_valid),
-            "loss/ratio_max": _masked_extreme(ratio.detach(), valid, largest=True),
-            "loss/ratio_min": _masked_extreme(ratio.detach(), valid, largest=False),
-            "loss/behaviour_weight_mean": _masked_mean(weights, valid, num_valid),
-            "loss/behaviour_weight_max": _masked_extreme(weights, valid, largest=True),
+            "loss/clip_fraction": masked_mean(clip_active.to(dtype), valid, num_valid),
+            "loss/clip_low_fraction": masked_mean(low.to(dtype), valid, num_valid),
+            "loss/clip_high_fraction": masked_mean(high.to(dtype), valid, num_valid),
+            "loss/dual_clip_fraction": masked_mean(dual_active.to(dtype), valid, num_valid),
+            **ratio_metrics(ratio, log_ratio, terms),
         }
     return loss, metrics
 
 
 POLICY_LOSSES: dict[str, ConfigurablePolicyLoss] = {
     "decoupled_ppo": decoupled_ppo_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
 }
 """Policy losses by config name; every entry takes the arguments of :func:`decoupled_ppo_loss`."""
 
@@ -261,15 +232,20 @@ def make_policy_loss(
     eps_clip_high: float = 0.2,
     dual_clip_c: float | None = None,
 ) -> PolicyLoss:
-    """Bind a loss config (the fields of ``trainer.loss``) to a loss function.
+    """Bind a loss config (fields of ``trainer.loss``) to a loss function.
 
-    ``make_policy_loss(**config.trainer.loss.model_dump())`` gives a callable
-    ``fn(logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask,
-    num_global_tokens, behaviour_weights=None)``; the trainer calls it without knowing
-    which algorithm it is. The bounds arrive validated by the config (``LossConfig``).
+    ``make_policy_loss(loss.objective, decoupled=loss.decoupled, eps_clip_low=...,
+    eps_clip_high=..., dual_clip_c=...)`` gives a callable ``fn(logprobs,
+    proximal_logprobs, behaviour_logprobs, advantages, loss_mask, num_global_tokens,
+    behaviour_weights=None, token_scale=None, sequence_ids=None)``; the trainer calls it
+    without knowing which algorithm it is. The bounds arrive validated by the config
+    (``LossConfig``); combinations that make no sense for the chosen loss (dual clip with
+    GSPO or CISPO) are refused here, once.
     """
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss '{name}'; known: {', '.join(sorted(POLICY_LOSSES))}")
+    if dual_clip_c is not None and name in WITHOUT_DUAL_CLIP:
+        raise ValueError(dual_clip_refusal(name, dual_clip_c))
     return functools.partial(
         POLICY_LOSSES[name],
         decoupled=decoupled,
@@ -279,7 +255,7 @@ def make_policy_loss(
     )
 
 
-_SUMMED_METRICS = ("loss/policy_loss", "loss/valid_tokens")
+_SUMMED_METRICS = ("loss/policy_loss", "loss/valid_tokens", "loss/kl_loss", "loss/entropy_bonus")
 
 
 def merge_micro_batch_metrics(per_micro_batch: Iterable[Mapping[str, Tensor]]) -> dict[str, float]:

@@ -16,9 +16,24 @@ mode              behaviour weight of kept tokens                             wh
 ``sequence_mis``  exp Σδ (the sequence importance weight)                     responses with exp Σδ > C
 ``geometric_rs``  exp δ_t (the plain decoupled-PPO weight)                    responses with exp(mean δ)
                                                                               outside [lower, upper]
+``icepop``        exp δ_t                                                     tokens with exp δ_t
+                                                                              outside [lower, upper]
 ================  ==========================================================  =====================
 
 Masked tokens get weight 0 and ``loss_mask`` False.
+
+``icepop`` is IcePop (Ling team, the Ring-1T report and its "IcePop" blog): a token is
+kept, with its plain weight, only while its ratio lies in [``icepop_lower``,
+``icepop_upper``] (bounds included). Unlike ``token_mis`` it also masks tokens whose
+ratio collapsed (π_prox far below π_behav); unlike ``geometric_rs`` it never masks a
+whole response, only the offending tokens. The same rule is NeMo-RL's
+``truncated_importance_sampling_type: icepop``, slime's ``icepop_function``, SkyRL's
+``token_mask_is_threshold_low/high``, AReaL's token-level ``rejection_sampling``
+(``metric: ratio, action: mask``) and verl's ``rollout_rs: token_k1`` with a
+``lower_upper`` threshold. The defaults 0.5 and 5.0 are the published ones: NeMo-RL's
+ProRL v2 guide and configs use ratio bounds 0.5 and 5.0 ("ref bounds: 0.5–5" in its
+loss), and AReaL's ``rejection_sampling`` defaults ``upper`` to 5.0 with 0.5 the
+"typical" ``lower``. SkyRL's docs and slime's tests start tighter, at [0.5, 2.0].
 
 **Denominator policy.** Masked tokens leave the loss numerator but stay in the
 denominator: the trainer passes ``num_global_tokens`` counted from the mask *before*
@@ -59,6 +74,10 @@ class CorrectionBounds:
     """Geometric RS keeps a response only if exp(mean δ) >= this."""
     geometric_upper: float = 1.001
     """Geometric RS keeps a response only if exp(mean δ) <= this."""
+    icepop_lower: float = 0.5
+    """IcePop keeps a token only if exp δ_t >= this; in (0, 1]."""
+    icepop_upper: float = 5.0
+    """IcePop keeps a token only if exp δ_t <= this; at least 1."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
@@ -67,6 +86,11 @@ class CorrectionBounds:
             raise ValueError(
                 "geometric_rs needs 0 < geometric_lower <= geometric_upper, got "
                 f"[{self.geometric_lower}, {self.geometric_upper}]"
+            )
+        if not 0 < self.icepop_lower <= 1 <= self.icepop_upper:
+            raise ValueError(
+                "icepop needs 0 < icepop_lower <= 1 <= icepop_upper, got "
+                f"[{self.icepop_lower}, {self.icepop_upper}]"
             )
 
 
@@ -205,6 +229,16 @@ def _geometric_rs(
     return torch.exp(delta), segments.broadcast(keep_sequence)
 
 
+def _icepop(
+    delta: Tensor, valid: Tensor, seg: Segments | None, b: CorrectionBounds
+) -> tuple[Tensor, Tensor]:
+    low, high = math.log(b.icepop_lower), math.log(b.icepop_upper)
+    keep = (delta >= low) & (delta <= high)
+    # Kept tokens lie inside the bounds, so the clamp changes none of them; it only keeps
+    # a huge δ on a masked token from overflowing.
+    return torch.exp(delta.clamp(low, high)), keep
+
+
 ROLLOUT_CORRECTIONS: dict[str, CorrectionRule] = {
     "none": _none,
     "token_tis": _token_tis,
@@ -212,6 +246,7 @@ ROLLOUT_CORRECTIONS: dict[str, CorrectionRule] = {
     "token_mis": _token_mis,
     "sequence_mis": _sequence_mis,
     "geometric_rs": _geometric_rs,
+    "icepop": _icepop,
 }
 """Rollout-correction rules by the names ``trainer.correction.mode`` accepts."""
 
@@ -227,6 +262,8 @@ def correct_behaviour_weights(
     threshold: float = 2.0,
     geometric_lower: float = 0.999,
     geometric_upper: float = 1.001,
+    icepop_lower: float = 0.5,
+    icepop_upper: float = 5.0,
 ) -> RolloutCorrection:
     """Behaviour weights and the corrected loss mask for one packed batch (see module docstring).
 
@@ -240,6 +277,8 @@ def correct_behaviour_weights(
         threshold: C, the TIS cap / MIS rejection bound on the weight.
         geometric_lower: lower bound on exp(mean δ) for ``geometric_rs``.
         geometric_upper: upper bound on exp(mean δ) for ``geometric_rs``.
+        icepop_lower: ``icepop`` masks tokens with exp δ_t below this (in (0, 1]).
+        icepop_upper: ``icepop`` masks tokens with exp δ_t above this (>= 1).
 
     Raises:
         ValueError: unknown mode, mismatched shapes, bad boundaries or thresholds, or a
@@ -250,7 +289,9 @@ def correct_behaviour_weights(
         raise ValueError(
             f"unknown rollout correction mode '{mode}'; known: {', '.join(ROLLOUT_CORRECTIONS)}"
         )
-    bounds = CorrectionBounds(threshold, geometric_lower, geometric_upper)
+    bounds = CorrectionBounds(
+        threshold, geometric_lower, geometric_upper, icepop_lower, icepop_upper
+    )
     if proximal_logprobs.dim() != 1:
         raise ValueError(
             f"rollout correction takes flat 1-D per-token tensors, got proximal_logprobs of "
@@ -292,6 +333,8 @@ def make_rollout_correction(
     threshold: float = 2.0,
     geometric_lower: float = 0.999,
     geometric_upper: float = 1.001,
+    icepop_lower: float = 0.5,
+    icepop_upper: float = 5.0,
 ) -> RolloutCorrectionFn:
     """Bind a correction config (the fields of ``trainer.correction``) to a function.
 
@@ -301,11 +344,13 @@ def make_rollout_correction(
         raise ValueError(
             f"unknown rollout correction mode '{mode}'; known: {', '.join(ROLLOUT_CORRECTIONS)}"
         )
-    CorrectionBounds(threshold, geometric_lower, geometric_upper)
+    CorrectionBounds(threshold, geometric_lower, geometric_upper, icepop_lower, icepop_upper)
     return functools.partial(
         correct_behaviour_weights,
         mode=mode,
         threshold=threshold,
         geometric_lower=geometric_lower,
         geometric_upper=geometric_upper,
+        icepop_lower=icepop_lower,
+        icepop_upper=icepop_upper,
     )

@@ -195,19 +195,42 @@ def batch_table(rows: Sequence[TrajectoryRow]) -> pa.Table:
     )
 
 
+RewardShaping = Callable[[torch.Tensor], torch.Tensor]
+"""Response lengths -> what to add to each response's reward (e.g. DAPO's overlong
+penalty, `sluice.engines.rl.reward_shaping`)."""
+
+
 def samples_from_table(
-    table: pa.Table, advantage_fn: AdvantageFn
+    table: pa.Table,
+    advantage_fn: AdvantageFn,
+    *,
+    policy_version: int | None = None,
+    shape_rewards: RewardShaping | None = None,
 ) -> tuple[list[TrainingSample], dict[str, float]]:
     """Group advantages (`advantage_fn` from `sluice.engines.rl.advantages.make_advantage_fn`), then one
-    TrainingSample per kept response, and the batch's statistics."""
+    TrainingSample per kept response, and the batch's statistics.
+
+    ``policy_version``: the version the trainer's weights are at; each token then
+    carries how many versions behind it was sampled (what log-linear π_prox reads;
+    None: 0). ``shape_rewards``: added to the verifier's rewards before the advantages
+    (``reward/mean`` stays the verifier's; ``reward/shaping_mean`` is what was added).
+    """
     rewards = np.asarray(table.column(REWARD).to_numpy(zero_copy_only=False), dtype=np.float64)
+    responses = table.column(RESPONSE_TOKEN_IDS).to_pylist()
+    lengths = np.array([len(r) for r in responses])
+    shaping = (
+        np.zeros_like(rewards)
+        if shape_rewards is None
+        else shape_rewards(torch.as_tensor(lengths)).numpy().astype(np.float64)
+    )
     group_names = table.column(GROUP_ID).to_pylist()
     codes = {g: i for i, g in enumerate(dict.fromkeys(group_names))}
     result = advantage_fn(
-        torch.as_tensor(rewards), group_ids=torch.tensor([codes[g] for g in group_names])
+        torch.as_tensor(rewards + shaping),
+        group_ids=torch.tensor([codes[g] for g in group_names]),
     )
     prompts = table.column(PROMPT_TOKEN_IDS).to_pylist()
-    responses = table.column(RESPONSE_TOKEN_IDS).to_pylist()
+    lags = version_lags(table, policy_version)
     behaviour = table.column(BEHAVIOUR_LOGPROBS).to_pylist()
     masks = (
         table.column(LOSS_MASK).to_pylist()
@@ -217,16 +240,21 @@ def samples_from_table(
     keep = result.keep_samples.tolist()
     samples = [
         TrainingSample(
-            prompts[i], responses[i], behaviour[i], float(result.advantages[i]), masks[i]
+            prompts[i],
+            responses[i],
+            behaviour[i],
+            float(result.advantages[i]),
+            masks[i],
+            None if lags is None else lags[i],
         )
         for i in range(table.num_rows)
         if keep[i]
     ]
-    lengths = np.array([len(r) for r in responses])
     stats = {
         **episode_stats(table),
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
+        **({"reward/shaping_mean": float(shaping.mean())} if shape_rewards is not None else {}),
         "reward/zero_variance_groups": float(result.zero_variance_groups.sum()),
         "reward/groups": float(len(codes)),
         **gradient_sources(rewards, result.group_index.numpy(), result.advantages.numpy()),
@@ -238,6 +266,24 @@ def samples_from_table(
         ),
     }
     return samples, stats
+
+
+def version_lags(table: pa.Table, policy_version: int | None) -> list[np.ndarray] | None:
+    """Per response token, how many versions before `policy_version` it was sampled
+    (from the per-token versions where the table has them, else the response's first)."""
+    if policy_version is None:
+        return None
+    if TOKEN_VERSIONS in table.column_names:
+        return [
+            policy_version - np.asarray(v, dtype=np.int64)
+            for v in table.column(TOKEN_VERSIONS).to_pylist()
+        ]
+    starts = table.column(VERSION_START).to_pylist()
+    responses = table.column(RESPONSE_TOKEN_IDS).to_pylist()
+    return [
+        np.full(len(r), policy_version - start, dtype=np.int64)
+        for r, start in zip(responses, starts, strict=True)
+    ]
 
 
 def episode_stats(table: pa.Table) -> dict[str, float]:

@@ -31,6 +31,10 @@ class TrainingSample:
     """Per response token, 1 = trained and 0 = context only (a tool's observation in a
     multi-turn episode: in the sequence the policy reads, never in the loss, the
     importance ratio or the token count). None: every response token is trained."""
+    version_lag: Sequence[int] | np.ndarray | None = None
+    """Per response token, how many policy versions the weights that sampled it were
+    behind the weights this step starts from (v − v_behav, >= 0): what the log-linear
+    π_prox approximation interpolates by. None: 0 for every token (on-policy)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,26 @@ class TrainerSettings:
     """Lower bound on micro-batches per minibatch."""
     seed: int = 0
     """Seeds the minibatch split."""
+    ppo_epochs: int = 1
+    """Passes over the batch per train_step, each split into `ppo_minibatches` afresh."""
+    proximal: str = "exact"
+    """How log π_prox is had beyond the first minibatch (`sluice.engines.rl.proximal`)."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses aggregate (`sluice.engines.rl.aggregation`)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the loss (0 = off)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy in the loss (0 = off)."""
+    kl_estimator: str = "k3"
+    """Estimator of KL(π_θ ‖ π_ref) per token (`sluice.engines.rl.regularizers`)."""
+    lr_warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up (`sluice.engines.rl.schedules`)."""
+    lr_decay: str = "constant"
+    """Learning-rate decay after warm-up: constant, linear or cosine."""
+    lr_min_ratio: float = 0.0
+    """Decay ends at lr × this."""
+    total_steps: int = 1
+    """Steps the schedule decays over (the run's policy versions)."""
 
 
 @dataclass
@@ -69,6 +93,7 @@ class TrainBatch:
     behaviour_logprobs: torch.Tensor  # flat over response tokens, in sample order
     advantages: torch.Tensor  # flat over response tokens
     loss_mask: torch.Tensor  # flat over response tokens: which are trained
+    version_lag: torch.Tensor | None = None  # flat over response tokens: v − v_behav
     response_offsets: list[int] = field(default_factory=list)  # start of each sample's tokens
 
     def __post_init__(self) -> None:
@@ -87,7 +112,7 @@ def make_batch(samples: Sequence[TrainingSample]) -> TrainBatch:
     if not kept:
         raise ValueError("train_step got no sample with response tokens")
     sequences, prompt_lens, response_lens, behaviour, advantages = [], [], [], [], []
-    masks = []
+    masks, lags = [], []
     for s in kept:
         prompt = torch.as_tensor(np.asarray(s.prompt_token_ids), dtype=torch.int64)
         response = torch.as_tensor(np.asarray(s.response_token_ids), dtype=torch.int64)
@@ -113,6 +138,12 @@ def make_batch(samples: Sequence[TrainingSample]) -> TrainBatch:
                     f"of {mask.numel()}"
                 )
             masks.append(mask)
+        lag = np.zeros(response.numel()) if s.version_lag is None else np.asarray(s.version_lag)
+        if lag.size != response.numel():
+            raise ValueError(
+                f"a sample has {response.numel()} response tokens but a version lag of {lag.size}"
+            )
+        lags.append(torch.as_tensor(lag, dtype=torch.int64))
     return TrainBatch(
         sequences,
         prompt_lens,
@@ -120,4 +151,5 @@ def make_batch(samples: Sequence[TrainingSample]) -> TrainBatch:
         torch.cat(behaviour),
         torch.cat(advantages),
         torch.cat(masks),
+        torch.cat(lags),
     )

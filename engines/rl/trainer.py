@@ -1,15 +1,25 @@
-"""The trainer step: π_prox recompute, then decoupled PPO over dynamic micro-batches.
+"""The trainer step: decoupled PPO over dynamic micro-batches, π_prox from the step's own
+forward pass where that is exact.
 
 One call of :meth:`PolicyTrainer.train_step` is one policy version (AReaL §4):
 
-1. π_prox: one no-grad forward pass over the whole batch with the weights as they are
-   before this update, at the sampling temperature, so proximal and behaviour
-   log-probs are comparable token for token.
-2. Rollout correction of the behaviour weight π_prox/π_behav (sluice.engines.rl.rollout_correction)
-   and the mismatch metrics (sluice.engines.rl.metrics), once over the whole batch.
-3. PPO minibatches: each splits into dynamic micro-batches (AReaL Algorithm 1), packed
-   without padding; every micro-batch loss is divided by the minibatch's valid-token
-   count, so gradient accumulation equals the full-minibatch gradient exactly.
+1. The batch is split into ``ppo_epochs × ppo_minibatches`` optimizer steps (each epoch
+   a fresh seeded split); each minibatch splits into dynamic micro-batches (AReaL
+   Algorithm 1), packed without padding, and its loss is aggregated over the whole
+   minibatch, so gradient accumulation equals the full-minibatch gradient exactly.
+2. π_prox, the weights before this update, at the sampling temperature. Before the
+   first optimizer step the weights are π_prox, so the first minibatch's own forward
+   pass gives its log π_prox exactly (`sluice.engines.rl.proximal`); the other
+   minibatches' come from one no-grad pass (``proximal: exact``) or the log-linear
+   approximation (``loglinear``). A backend without that place (Megatron) or a model
+   with dropout runs the no-grad pass over the whole batch first, as before.
+3. Rollout correction of the behaviour weight π_prox/π_behav
+   (sluice.engines.rl.rollout_correction) and the mismatch metrics
+   (sluice.engines.rl.metrics). The watchdog's guard sees them before any weight
+   changes: with the pass, before the first forward; without it, after the first
+   minibatch's backward and before its optimizer step.
+4. Optional terms (`sluice.engines.rl.step_loss`): a KL penalty to the reference policy
+   (version 0; one no-grad pass per step, reported) and an entropy bonus.
 
 The trainer never branches on an algorithm name: the loss and correction arrive as
 functions bound from config (`make_policy_loss`, `make_rollout_correction`).
@@ -21,7 +31,6 @@ log-softmax as well.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -33,22 +42,20 @@ import numpy as np
 import torch
 
 from sluice.engines.policy.model import load_policy_dir
-from sluice.engines.rl.batching import (
-    PackedBatch,
-    dynamic_micro_batches,
-    pack_sequences,
-    register_packed_attention,
-)
+from sluice.engines.rl.batching import PackedBatch, register_packed_attention
+from sluice.engines.rl.logprob_pass import LogprobPasses
 from sluice.engines.rl.lora import LoraSettings, load_adapter, save_adapter
 from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
-from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
-from sluice.engines.rl.train_batch import (
-    TrainBatch,
-    TrainerSettings,
-    TrainingSample,
-    make_batch,
+from sluice.engines.rl.schedules import lr_multiplier
+from sluice.engines.rl.step_loss import (
+    SUMMED_LOSSES,
+    MicroBatchLossFn,
+    ProximalState,
+    minibatch_loss,
+    settle,
 )
+from sluice.engines.rl.train_batch import TrainBatch, TrainerSettings, TrainingSample
 from sluice.engines.rl.trainer_files import (
     ADAPTER_DIR,
     OPTIMIZER_FILE,
@@ -61,21 +68,24 @@ from sluice.engines.rl.trainer_files import (
 )
 
 StepGuard = Callable[[dict[str, float]], bool]
-"""Asked during `train_step` whether the update may go on: once with the π_prox pass's
-mismatch metrics, before any weight changes, and (torch backend) before each optimizer
+"""Asked during `train_step` whether the update may go on: once with the mismatch
+metrics of π_prox, before any weight changes, and (torch backend) before each optimizer
 step with ``{"train/grad_norm": its pre-clip norm}``. False leaves the rest of the step
 unapplied (``train/applied_minibatches`` says how many were)."""
 
-MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
-micro-batch's token sum over the minibatch's token count."""
+__all__ = ["MicroBatchLossFn", "PolicyTrainer", "StepGuard", "OPTIMIZER_FILE", "TRAINER_STATE_FILE"]
 
 
-class PolicyTrainer:
+class PolicyTrainer(LogprobPasses):
     """Holds the policy being optimised and its AdamW state."""
 
     backend = "torch"
     """``trainer.backend`` value of this class; recorded with every saved version."""
+    free_proximal = True
+    """Whether the first minibatch's forward may stand in for the π_prox pass (see
+    `_proximal_is_free`)."""
+    reference: Any = None
+    """The frozen reference policy of the KL penalty (full fine-tuning only)."""
     _guard: StepGuard | None = None
     _refused = False
 
@@ -90,6 +100,7 @@ class PolicyTrainer:
         dtype: torch.dtype = torch.float32,
         decoupled: bool = True,
         lora: LoraSettings | None = None,
+        reference_dir: str | Path | None = None,
     ):
         self.settings = settings
         self.lora = lora if lora is not None and lora.enabled else None
@@ -104,6 +115,14 @@ class PolicyTrainer:
         if self.lora is not None:  # adapters only, on the base; a resume loads its adapter
             self.model = load_adapter(self.model, Path(model_dir) / ADAPTER_DIR, self.lora)
         self.model.train()
+        if settings.kl_coef > 0 and self.lora is None:
+            if reference_dir is None:
+                raise ValueError(
+                    "a KL penalty needs the reference policy: pass reference_dir (version 0)"
+                )
+            self.reference, _ = load_policy_dir(reference_dir, device=device, dtype=dtype)
+            self.reference.set_attn_implementation(register_packed_attention())
+            self.reference.eval().requires_grad_(False)
         self.optimizer = self._make_optimizer()
         self.steps_done = 0
         self._generator = torch.Generator().manual_seed(settings.seed)
@@ -169,14 +188,20 @@ class PolicyTrainer:
         return [read(index, self._logits(packed)) for index, packed in enumerate(micro_batches)]
 
     def _optimizer_step(
-        self, micro_batches: list[PackedBatch], token_counts: list[int], loss_of: MicroBatchLossFn
+        self,
+        micro_batches: list[PackedBatch],
+        token_counts: list[int],
+        loss_of: MicroBatchLossFn,
+        check: Callable[[], bool] | None = None,
     ) -> tuple[float, list[dict[str, torch.Tensor]]]:
         """One optimizer step over a minibatch's micro-batches: ``(pre-clip grad norm,
         every micro-batch's loss metrics)``.
 
-        ``loss_of(i, logits)`` is micro-batch i's loss: its token sum over the minibatch's
-        token count (``sum(token_counts)``), so the accumulated gradient is the whole
-        minibatch's.
+        ``loss_of(i, logits)`` is micro-batch i's loss: its share of the minibatch's
+        aggregated loss (``token_counts``: each micro-batch's trained tokens), so the
+        accumulated gradient is the whole minibatch's. ``check()``, asked after the
+        backward passes and before the step, may refuse the update (the watchdog,
+        when π_prox came from this minibatch's forward).
         """
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
@@ -187,137 +212,63 @@ class PolicyTrainer:
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         )
-        if self._guard is not None and not self._guard({"train/grad_norm": grad_norm}):
+        refused = check is not None and not check()
+        if not refused and self._guard is not None:
+            refused = not self._guard({"train/grad_norm": grad_norm})
+        if refused:
             self.optimizer.zero_grad(set_to_none=True)
             self._refused = True
         elif math.isfinite(grad_norm):
             self.optimizer.step()
         return grad_norm, parts
 
-    # ------------------------------------------------------------ log-probs
-
-    def _packed_logprobs(
-        self,
-        batch: TrainBatch,
-        indices: Sequence[int],
-        packed: PackedBatch,
-        entropy_out: list[torch.Tensor] | None = None,
-        logits: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """log π(response tokens) of the samples in `indices`, flat and in that order.
-
-        With `entropy_out`, also appends the entropy of π at each response position
-        (how undecided the policy still is where it samples). ``logits``: the packed
-        row's, if already computed.
-        """
-        if logits is None:
-            logits = self._logits(packed)
-        positions = self._response_positions(batch, indices, packed).to(logits.device)
-        if logits.shape[0] == packed.total_tokens:  # every row: keep those that predict
-            logits = logits[positions - 1]  # the token at p is predicted at p - 1
-        logits = logits.float() / self.settings.temperature
-        targets = packed.input_ids[0, positions]
-        log_norm = torch.logsumexp(logits, dim=-1)
-        if entropy_out is not None:
-            log_p = logits - log_norm[:, None]
-            entropy_out.append(-(log_p.exp() * log_p).sum(-1))
-        return logits.gather(-1, targets[:, None]).squeeze(-1) - log_norm
-
-    @staticmethod
-    def _response_positions(
-        batch: TrainBatch, indices: Sequence[int], packed: PackedBatch
-    ) -> torch.Tensor:
-        """Where the response tokens of the samples in `indices` sit in their packed row."""
-        starts = packed.cu_seqlens[:-1].to(torch.int64).cpu()
-        return torch.cat(
-            [
-                torch.arange(batch.prompt_lens[i], batch.prompt_lens[i] + batch.response_lens[i])
-                + int(starts[k])
-                for k, i in enumerate(indices)
-            ]
-        )
-
-    def _pack(self, batch: TrainBatch, indices: Sequence[int]) -> PackedBatch:
-        """The samples in `indices` packed into one row, their logit rows marked."""
-        packed = pack_sequences([batch.sequences[i] for i in indices])
-        rows = self._response_positions(batch, indices, packed) - 1
-        return dataclasses.replace(packed, logit_rows=rows).to(self.device)
-
-    def _micro_batches(self, batch: TrainBatch, indices: Sequence[int]) -> list[list[int]]:
-        lengths = [batch.prompt_lens[i] + batch.response_lens[i] for i in indices]
-        plan = dynamic_micro_batches(
-            lengths, self.settings.max_tokens_per_micro_batch, self.settings.min_micro_batches
-        )
-        return [[indices[j] for j in mb] for mb in plan]
-
-    def _gather(
-        self, batch: TrainBatch, flat: torch.Tensor, indices: Sequence[int]
-    ) -> torch.Tensor:
-        return torch.cat([batch.tokens_of(i, flat) for i in indices])
-
-    @torch.no_grad()
-    def compute_logprobs(
-        self, batch: TrainBatch, entropy_out: list[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """log π of every response token under the current weights (flat, sample order)."""
-        self._set_training(False)
-        plan = self._micro_batches(batch, list(range(len(batch.sequences))))
-        packed = [self._pack(batch, mb) for mb in plan]
-
-        def read(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            entropy: list[torch.Tensor] | None = [] if entropy_out is not None else None
-            values = self._packed_logprobs(batch, plan[index], packed[index], entropy, logits)
-            return values.cpu(), entropy[0].cpu() if entropy else None
-
-        result = torch.empty(batch.response_offsets[-1], dtype=torch.float32)
-        for mb, (values, entropy) in zip(plan, self._map_logits(packed, read), strict=True):
-            if entropy_out is not None:
-                entropy_out.append(entropy)
-            offset = 0
-            for i in mb:
-                n = batch.response_lens[i]
-                result[batch.response_offsets[i] : batch.response_offsets[i] + n] = values[
-                    offset : offset + n
-                ]
-                offset += n
-        self._set_training(True)
-        return result
-
     # ------------------------------------------------------------ the step
 
-    make_batch = staticmethod(make_batch)
+    def _proximal_is_free(self) -> bool:
+        """Whether the first minibatch's own forward gives log π_prox exactly: the torch
+        backend (Megatron takes its optimizer step inside its schedule, with no place
+        to settle the correction between backward and step) and no dropout anywhere
+        (else a training forward is not the function π_prox is)."""
+        return self.free_proximal and not any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
+        )
 
-    def _minibatch_loss(
-        self,
-        batch: TrainBatch,
-        plan: list[list[int]],
-        packed: list[PackedBatch],
-        num_global_tokens: int,
-        proximal: torch.Tensor,
-        weights: torch.Tensor | None,
-        loss_mask: torch.Tensor,
-    ) -> MicroBatchLossFn:
-        """The loss (and metrics) of micro-batch i of a minibatch given its logits."""
+    def _scheduled_lr(self) -> float:
+        s = self.settings
+        lr = s.lr * lr_multiplier(
+            self.steps_done,
+            warmup_steps=s.lr_warmup_steps,
+            total_steps=s.total_steps,
+            decay=s.lr_decay,
+            min_ratio=s.lr_min_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
-        def loss_of(
-            index: int, logits: torch.Tensor
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            mb = plan[index]
-            mb_weights = (
-                self._gather(batch, weights, mb).to(self.device) if weights is not None else None
-            )
-            loss, parts = self.loss_fn(
-                self._packed_logprobs(batch, mb, packed[index], logits=logits),
-                self._gather(batch, proximal, mb).to(self.device),
-                self._gather(batch, batch.behaviour_logprobs, mb).to(self.device),
-                self._gather(batch, batch.advantages, mb).to(self.device),
-                self._gather(batch, loss_mask, mb).to(self.device),
-                num_global_tokens,
-                behaviour_weights=mb_weights,
-            )
-            return loss, parts
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π_ref of every response token: version 0's weights (a LoRA trainer's base
+        with its adapters off; else the frozen copy loaded at start)."""
+        if self.lora is not None:
+            peft_model: Any = self.model
+            with peft_model.disable_adapter():
+                return self.compute_logprobs(batch)
+        assert self.reference is not None
+        policy, self.model = self.model, self.reference
+        try:
+            return self.compute_logprobs(batch)
+        finally:
+            self.model = policy
+            self.reference.eval()
 
-        return loss_of
+    def _minibatches(self, n: int) -> list[list[int]]:
+        """Every optimizer step's samples: `ppo_epochs` passes, each a fresh seeded split."""
+        k = self.settings.ppo_minibatches
+        steps = []
+        for _ in range(self.settings.ppo_epochs):
+            order = torch.randperm(n, generator=self._generator).tolist()
+            steps += [order[j::k] for j in range(k)]
+        return [mb for mb in steps if mb]
 
     def train_step(
         self, samples: Sequence[TrainingSample], guard: StepGuard | None = None
@@ -325,75 +276,79 @@ class PolicyTrainer:
         """One policy update over `samples`; returns plain-float metrics. `guard` may
         refuse the update (see `StepGuard`)."""
         started = time.perf_counter()
+        s = self.settings
         batch = self.make_batch(samples)
         n = len(batch.sequences)
-        response_cu = torch.tensor(batch.response_offsets, dtype=torch.int64)
-        loss_mask = batch.loss_mask
+        lr = self._scheduled_lr()
+        reference = None
+        reference_time = 0.0
+        if s.kl_coef > 0:
+            reference = self._reference_logprobs(batch)
+            reference_time = time.perf_counter() - started
+        steps = self._minibatches(n)
+        prox = ProximalState.empty(batch)
+        free = self._proximal_is_free()
+        exact_first = steps[0]
+        pass_tokens = 0
+        if free:
+            # The first minibatch's forward gives its tokens' π_prox; the rest need the
+            # pass only when π_prox is to be exact there.
+            first = set(exact_first)
+            rest = [i for i in range(n) if i not in first]
+            if s.proximal == "exact" and rest:
+                tokens = self._token_index(batch, rest)
+                pass_tokens = int(tokens.numel())
+                self.compute_logprobs(batch, prox.entropies, indices=rest, out=prox.values)
+                prox.known[tokens] = prox.has_entropy[tokens] = True
+                exact_first = list(range(n))
+            self._guard, self._refused = guard, False
+        else:
+            self.compute_logprobs(batch, prox.entropies, out=prox.values)
+            prox.known[:] = prox.has_entropy[:] = True
+            pass_tokens = batch.response_offsets[-1]
+            settle(self, batch, prox, list(range(n)))
+            self._guard, self._refused = guard, guard is not None and not guard(dict(prox.metrics))
+        prox_time = time.perf_counter() - started - reference_time
 
-        entropies: list[torch.Tensor] = []
-        proximal = self.compute_logprobs(batch, entropies)
-        prox_time = time.perf_counter() - started
-        weights: torch.Tensor | None = None
-        corrected_mask = loss_mask
-        if self.decoupled and self.correction_fn is not None:
-            correction = self.correction_fn(
-                proximal, batch.behaviour_logprobs, loss_mask, cu_seqlens=response_cu
-            )
-            weights, corrected_mask = correction.behaviour_weights, correction.loss_mask
-        metrics = mismatch_metrics(
-            proximal,
-            batch.behaviour_logprobs,
-            loss_mask,
-            cu_seqlens=response_cu,
-            behaviour_weights=weights,
-            corrected_loss_mask=corrected_mask,
-        )
+        def settled() -> bool:
+            """After the first minibatch's backward, before its step: what the guard
+            sees when π_prox came from that forward."""
+            settle(self, batch, prox, sorted(exact_first))
+            return guard is None or guard(dict(prox.metrics))
 
-        self._guard, self._refused = guard, guard is not None and not guard(dict(metrics))
-        order = torch.randperm(n, generator=self._generator).tolist()
-        minibatches = [
-            order[k :: self.settings.ppo_minibatches] for k in range(self.settings.ppo_minibatches)
-        ]
         loss_parts: list[dict[str, torch.Tensor]] = []
         grad_norms = []
         micro_batch_count = 0
         applied = 0
-        for minibatch in minibatches:
+        for j, minibatch in enumerate(steps):
             if self._refused:
                 break
-            if not minibatch:
-                continue
             plan = self._micro_batches(batch, minibatch)
             packed = [self._pack(batch, mb) for mb in plan]
-            # Trained tokens only: a tool's observation tokens are not in the mean.
-            token_counts = [int(self._gather(batch, loss_mask, mb).sum()) for mb in plan]
             micro_batch_count += len(plan)
-            loss_of = self._minibatch_loss(
-                batch,
-                plan,
-                packed,
-                sum(token_counts),
-                proximal,
-                weights,
-                corrected_mask,
-            )
-            grad_norm, parts = self._optimizer_step(packed, token_counts, loss_of)
+            loss_of = minibatch_loss(self, batch, plan, packed, prox, j / len(steps), reference)
+            # Trained tokens only: a tool's observation tokens are not in the mean.
+            token_counts = [int(self._gather(batch, batch.loss_mask, mb).sum()) for mb in plan]
+            check = settled if free and j == 0 else None
+            grad_norm, parts = self._optimizer_step(packed, token_counts, loss_of, check)
             grad_norms.append(grad_norm)
             loss_parts.extend(parts)
             applied += not self._refused
         self._guard = None
         self.steps_done += applied > 0
+        metrics = dict(prox.metrics)
         if loss_parts:  # none when the guard refused the update before any gradient
             metrics.update(merge_micro_batch_metrics(loss_parts))
-        # Each minibatch's loss sums to its own token mean: report the mean over minibatches.
-        metrics["loss/policy_loss"] = metrics.get("loss/policy_loss", 0.0) / max(
-            1, len(minibatches)
-        )
+        # Each minibatch's loss sums to its own mean: report the mean over optimizer steps.
+        nominal_steps = s.ppo_epochs * s.ppo_minibatches
+        for key in SUMMED_LOSSES:
+            if key in metrics or key == "loss/policy_loss":
+                metrics[key] = metrics.get(key, 0.0) / nominal_steps
         elapsed = time.perf_counter() - started
-        trained_tokens = int(sum(len(s) for s in batch.sequences))
+        trained_tokens = int(sum(len(seq) for seq in batch.sequences))
         metrics.update(
             {
-                "policy/entropy": float(torch.cat(entropies).mean()),
+                "policy/entropy": float(torch.cat(prox.entropies).mean()),
                 "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
                 "train/grad_norm_max": float(np.max(grad_norms)) if grad_norms else 0.0,
                 "train/samples": float(n),
@@ -401,8 +356,15 @@ class PolicyTrainer:
                 "train/trained_tokens": float(trained_tokens),
                 "train/micro_batches": float(micro_batch_count),
                 "train/applied_minibatches": float(applied),
+                "train/optimizer_steps": float(len(steps)),
+                "train/lr": lr,
                 "train/step_time_s": elapsed,
                 "train/proximal_time_s": prox_time,
+                "train/proximal_pass_tokens": float(pass_tokens),
+                "train/reference_time_s": reference_time,
+                "train/reference_pass_tokens": float(
+                    batch.response_offsets[-1] if reference is not None else 0
+                ),
                 "train/trained_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
             }
         )
@@ -410,12 +372,6 @@ class PolicyTrainer:
 
     def close(self) -> None:
         """Release what the trainer holds beyond this process (nothing, for this backend)."""
-
-    def response_logprobs(self, samples: Sequence[TrainingSample]) -> list[np.ndarray]:
-        """log π of each sample's response tokens under the current weights (no grad)."""
-        batch = self.make_batch(samples)
-        flat = self.compute_logprobs(batch)
-        return [batch.tokens_of(i, flat).numpy() for i in range(len(batch.sequences))]
 
     def save(
         self,

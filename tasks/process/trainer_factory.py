@@ -30,18 +30,38 @@ def trainer_settings(config: RunConfig) -> TrainerSettings:
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         min_micro_batches=t.min_micro_batches,
         seed=config.seed,
+        ppo_epochs=t.ppo_epochs,
+        proximal=t.loss.proximal,
+        loss_agg_mode=t.loss.loss_agg_mode,
+        entropy_coef=t.loss.entropy_coef,
+        kl_coef=t.kl.coef,
+        kl_estimator=t.kl.estimator,
+        lr_warmup_steps=t.lr_warmup_steps,
+        lr_decay=t.lr_decay,
+        lr_min_ratio=t.lr_min_ratio,
+        total_steps=t.total_steps,
     )
 
 
-def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
-    """This process's trainer (one rank's, when the trainer is split over processes)."""
+def build_rank_trainer(
+    config: RunConfig, model_dir: Path, reference_dir: Path | None = None
+) -> PolicyTrainer:
+    """This process's trainer (one rank's, when the trainer is split over processes).
+    ``reference_dir``: version 0, the reference policy of a KL penalty (full
+    fine-tuning; a LoRA trainer's reference is its own base)."""
     t = config.trainer
     correction = make_rollout_correction(**t.correction.model_dump()) if t.loss.decoupled else None
     device = resolve_device(config.device)
     args = (
         model_dir,
         trainer_settings(config),
-        make_policy_loss(**t.loss.model_dump()),
+        make_policy_loss(
+            t.loss.objective,
+            decoupled=t.loss.decoupled,
+            eps_clip_low=t.loss.eps_clip_low,
+            eps_clip_high=t.loss.eps_clip_high,
+            dual_clip_c=t.loss.dual_clip_c,
+        ),
         correction,
     )
     if t.backend == "megatron":
@@ -58,4 +78,6 @@ def build_rank_trainer(config: RunConfig, model_dir: Path) -> PolicyTrainer:
             dtype=getattr(torch, t.dtype),
         )
     lora = LoraSettings(**t.lora.model_dump()) if t.lora.rank else None
-    return PolicyTrainer(*args, device=device, decoupled=t.loss.decoupled, lora=lora)
+    return PolicyTrainer(
+        *args, device=device, decoupled=t.loss.decoupled, lora=lora, reference_dir=reference_dir
+    )

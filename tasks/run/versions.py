@@ -341,3 +341,25 @@ def superseded(registry: CheckpointRegistry, version: CommittedVersion) -> bool:
     return (now is not None and now.deleted) or (
         latest is not None and latest.policy_version > version.policy_version
     )
+
+
+def fetch_reference(
+    config: RunConfig, registry: CheckpointRegistry, cache_dir: Path
+) -> Path | None:
+    """Version 0's policy on local disk: the reference policy of a KL penalty when the
+    trainer fine-tunes every weight (None when there is no penalty, or a LoRA trainer
+    has its base in memory already)."""
+    if config.trainer.kl.coef == 0 or config.trainer.lora.rank:
+        return None
+    base = registry.get(0)
+    if base is None or base.deleted:
+        raise CheckpointIncomplete(
+            "trainer.kl's reference policy is version 0, and version 0 is gone"
+        )
+    return fetch_checkpoint(
+        base.checkpoint_uri,
+        cache_dir,
+        storage_options=config.storage.options,
+        keep_latest=1,
+        select=is_policy_file,
+    )

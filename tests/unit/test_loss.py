@@ -186,8 +186,8 @@ def test_make_policy_loss_binds_config_and_rejects_bad_values():
     logprobs, prox, behav = _inputs()
     loss, _ = fn(logprobs, prox, behav, ADV, MASK, 3)
     torch.testing.assert_close(loss, torch.tensor(-0.49523012))
-    with pytest.raises(ValueError, match="unknown policy loss 'gspo'"):
-        make_policy_loss("gspo")
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
+        make_policy_loss("ppo2")
     # Bad bounds are refused once, by the config the user sets them in, not by the loss.
     with pytest.raises(ValueError, match="dual_clip_c"):
         LossConfig(dual_clip_c=0.5)

@@ -1,0 +1,205 @@
+"""The loss of one micro-batch in the trainer step, and where its log π_prox comes from.
+
+:func:`minibatch_loss` assembles, per micro-batch, what the configured functions
+take: log π_θ (with grad), log π_prox (known, or had from this very forward pass:
+`sluice.engines.rl.proximal`), the rollout-corrected behaviour weights, the
+aggregation scale (`sluice.engines.rl.aggregation`), and optionally the KL penalty to
+the reference policy and the entropy bonus (`sluice.engines.rl.regularizers`). The
+trainer never branches on an algorithm name: the policy loss and the correction are
+functions bound from config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from sluice.engines.rl.aggregation import aggregation_scale
+from sluice.engines.rl.batching import PackedBatch
+from sluice.engines.rl.metrics import mismatch_metrics
+from sluice.engines.rl.proximal import loglinear_proximal
+from sluice.engines.rl.regularizers import entropy_bonus_loss, kl_penalty_loss
+from sluice.engines.rl.train_batch import TrainBatch
+
+if TYPE_CHECKING:
+    from sluice.engines.rl.trainer import PolicyTrainer
+
+MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
+micro-batch's share of the minibatch's aggregated loss."""
+
+SUMMED_LOSSES = ("loss/policy_loss", "loss/kl_loss", "loss/entropy_bonus")
+"""Loss metrics that add up over micro-batches (each is already a share of its
+minibatch's loss) and are averaged over a step's optimizer steps."""
+
+
+@dataclass
+class ProximalState:
+    """log π_prox of a step's tokens as it becomes known, and what is derived from it."""
+
+    values: torch.Tensor
+    """log π_prox per response token (flat); meaningful where `known`."""
+    known: torch.Tensor
+    """Bool per token: `values` holds the exact log π_prox."""
+    corrected: torch.Tensor
+    """The loss mask after rollout correction, where `known` tokens were settled."""
+    has_entropy: torch.Tensor
+    """Bool per token: its entropy under π_prox (or the step's first forward) is recorded."""
+    weights: torch.Tensor | None = None
+    """Corrected behaviour weights of settled tokens (None: no correction)."""
+    entropies: list[torch.Tensor] = field(default_factory=list)
+    """Per-token entropies, in the order they were recorded."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Mismatch metrics of the settled tokens (`sluice.engines.rl.metrics`)."""
+
+    @classmethod
+    def empty(cls, batch: TrainBatch) -> ProximalState:
+        total = batch.response_offsets[-1]
+        return cls(
+            values=torch.zeros(total, dtype=torch.float32),
+            known=torch.zeros(total, dtype=torch.bool),
+            corrected=batch.loss_mask.clone(),
+            has_entropy=torch.zeros(total, dtype=torch.bool),
+        )
+
+
+def correct(
+    trainer: PolicyTrainer,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Rollout correction of these tokens: (behaviour weights or None, corrected mask)."""
+    if not (trainer.decoupled and trainer.correction_fn is not None):
+        return None, mask
+    correction = trainer.correction_fn(proximal, behaviour, mask, cu_seqlens=cu_seqlens)
+    return correction.behaviour_weights, correction.loss_mask
+
+
+def settle(
+    trainer: PolicyTrainer, batch: TrainBatch, prox: ProximalState, indices: list[int]
+) -> None:
+    """Rollout correction and mismatch metrics over the samples in `indices`, whose
+    log π_prox is known: the correction every later minibatch reuses for them, and
+    what the watchdog judges."""
+    tokens = trainer._token_index(batch, indices)
+    lengths = [batch.response_lens[i] for i in indices]
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
+    proximal, behaviour = prox.values[tokens], batch.behaviour_logprobs[tokens]
+    mask = batch.loss_mask[tokens]
+    weights, corrected = correct(trainer, proximal, behaviour, mask, cu)
+    if weights is not None:
+        if prox.weights is None:
+            prox.weights = torch.zeros_like(prox.values)
+        prox.weights[tokens] = weights
+        prox.corrected[tokens] = corrected
+    prox.metrics = mismatch_metrics(
+        proximal,
+        behaviour,
+        mask,
+        cu_seqlens=cu,
+        behaviour_weights=weights,
+        corrected_loss_mask=corrected,
+    )
+
+
+def minibatch_loss(
+    trainer: PolicyTrainer,
+    batch: TrainBatch,
+    plan: list[list[int]],
+    packed: list[PackedBatch],
+    prox: ProximalState,
+    step_fraction: float,
+    reference: torch.Tensor | None,
+) -> MicroBatchLossFn:
+    """The loss (and metrics) of micro-batch i of a minibatch given its logits.
+
+    A token whose log π_prox is not known yet gets it here: its own detached
+    log-prob at the first optimizer step of the version (exact), the log-linear
+    approximation after it; its rollout correction is then computed over its
+    micro-batch (sequences never span micro-batches, and every correction mode
+    is per token or per sequence).
+    """
+    s = trainer.settings
+    minibatch = [i for mb in plan for i in mb]
+    token_mask = batch.loss_mask[trainer._token_index(batch, minibatch)]
+    num_tokens = int(token_mask.sum())
+    num_sequences = sum(int(batch.tokens_of(i, batch.loss_mask).any()) for i in minibatch)
+
+    lag = batch.version_lag
+    if lag is None:
+        lag = torch.zeros(batch.response_offsets[-1], dtype=torch.int64)
+
+    def loss_of(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mb = plan[index]
+        tokens = trainer._token_index(batch, mb)
+        fresh = ~prox.has_entropy[tokens]
+        want_entropy = s.entropy_coef > 0 or bool(fresh.any())
+        entropy: list[torch.Tensor] | None = [] if want_entropy else None
+        logprobs = trainer._packed_logprobs(
+            batch, mb, packed[index], entropy, logits, entropy_grad=s.entropy_coef > 0
+        )
+        if entropy is not None and bool(fresh.any()):
+            prox.entropies.append(entropy[0].detach().cpu()[fresh])
+            prox.has_entropy[tokens] = True
+        lengths = torch.tensor([batch.response_lens[i] for i in mb])
+        behaviour = batch.behaviour_logprobs[tokens]
+        mask = batch.loss_mask[tokens]
+        known = prox.known[tokens]
+        if bool(known.all()):
+            proximal = prox.values[tokens]
+            weights = None if prox.weights is None else prox.weights[tokens]
+            corrected = prox.corrected[tokens]
+        else:
+            current = logprobs.detach().cpu()
+            if step_fraction == 0:  # π_θ is π_prox: exact
+                prox.values[tokens], prox.known[tokens] = current, True
+                proximal = current
+            else:
+                approx = loglinear_proximal(behaviour, current, lag[tokens], step_fraction)
+                proximal = torch.where(known, prox.values[tokens], approx)
+            cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            weights, corrected = correct(trainer, proximal, behaviour, mask, cu)
+        sequence_ids = torch.repeat_interleave(torch.arange(len(mb)), lengths)
+        scale = aggregation_scale(mask, sequence_ids, s.loss_agg_mode, num_sequences)
+        device = trainer.device
+        moved = None if scale is None else scale.to(device)
+        loss, parts = trainer.loss_fn(
+            logprobs,
+            proximal.to(device),
+            behaviour.to(device),
+            batch.advantages[tokens].to(device),
+            corrected.to(device),
+            num_tokens,
+            behaviour_weights=None if weights is None else weights.to(device),
+            token_scale=moved,
+            sequence_ids=sequence_ids.to(device),
+        )
+        parts = dict(parts)
+        if reference is not None:
+            kl_loss, kl_parts = kl_penalty_loss(
+                logprobs,
+                reference[tokens].to(device),
+                mask.to(device),
+                num_tokens,
+                kind=s.kl_estimator,
+                coef=s.kl_coef,
+                token_scale=moved,
+            )
+            loss = loss + kl_loss
+            parts.update(kl_parts)
+        if s.entropy_coef > 0:
+            assert entropy is not None
+            bonus, bonus_parts = entropy_bonus_loss(
+                entropy[0], mask.to(device), num_tokens, coef=s.entropy_coef, token_scale=moved
+            )
+            loss = loss + bonus
+            parts.update(bonus_parts)
+        return loss, parts
+
+    return loss_of
