@@ -12,7 +12,8 @@ would leave ~240 GB. After each commit the trainer's background thread keeps
   older one);
 - the policy of the version the run (re)started from (the control document `start.json`):
   a launched server container that dies is restarted on it, then brought forward;
-- version 0 of a LoRA run: the base every later version's adapter applies to;
+- version 0 of a LoRA run: the base every later version's adapter applies to; and of a
+  run with a KL penalty (`trainer.kl`): its reference policy, which a resume reloads;
 - the trainer state of the newest committed version only (a resume reads no other);
 - every version's consumed list (a few KB: the run's exactly-once record).
 
@@ -108,7 +109,8 @@ class Retention:
             aliased,
             awaiting_evaluation(committed, self.config)
             | self._start_version()
-            | ({0} if self.config.trainer.lora.rank else set()),  # the base of every adapter
+            # The base of every adapter; the reference policy of a KL penalty.
+            | ({0} if self.config.trainer.lora.rank or self.config.trainer.kl.coef else set()),
         )
         options = self.config.storage.options
         ours = canonical_url(self.paths.checkpoints, options).rstrip("/") + "/"
