@@ -69,9 +69,11 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     assert {"run-summary", "policy-versions"} <= keys
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    ("lora_rank", "kl_coef"), [(0, 0.0), (4, 0.0), (0, 0.05)], ids=["full", "lora", "full-kl"]
+)
 def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
-    prefect_api, tmp_path, lora_rank
+    prefect_api, tmp_path, lora_rank, kl_coef
 ):
     from sluice.flows.train import train
 
@@ -79,9 +81,14 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
         "default",
         tiny_run_overrides(
             tmp_path,
-            **{"trainer.total_steps": 2, "trainer.lora.rank": lora_rank},
-            # A LoRA run keeps its base, version 0, whatever retention lets go.
-            **({"storage.keep_versions": 2} if lora_rank else {}),
+            **{
+                "trainer.total_steps": 2,
+                "trainer.lora.rank": lora_rank,
+                "trainer.kl.coef": kl_coef,
+            },
+            # A LoRA run keeps its base, version 0, whatever retention lets go; so does a
+            # run whose KL penalty takes version 0 as its reference.
+            **({"storage.keep_versions": 2} if lora_rank or kl_coef else {}),
         ),
     )
     done = train(first, run_id="resumed")
@@ -118,6 +125,15 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
     published = {f.name for f in read_manifest(newest.checkpoint_uri).files}
     state = {f.name for f in read_manifest(run_paths(longer, "resumed").trainer_state(4)).files}
     assert "optimizer.pt" in state and not {"adapter_config.json", "config.json"} & state
+    if kl_coef:  # the resumed trainer reloaded version 0 as its reference policy
+        assert not base.deleted and [v.policy_version for v in registry.versions() if v.deleted]
+        kl = get_metric_history(longer.tracking.uri, done["mlflow_run_id"], "loss/kl_ref")
+        assert [step for step, _ in kl] == [1, 2, 3, 4]
+        assert kl[0][1] == pytest.approx(0.0, abs=1e-6)  # version 0 against itself
+        passes = get_metric_history(
+            longer.tracking.uri, done["mlflow_run_id"], "train/reference_pass_tokens"
+        )
+        assert all(value > 0 for _, value in passes)
     if not lora_rank:
         assert "config.json" in published and "adapter_config.json" not in published
         return
