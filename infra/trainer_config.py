@@ -40,6 +40,8 @@ class KlConfig(_Section):
     """beta: weight of the penalty in the loss; 0 = off (no reference pass runs). verl: `actor.kl_loss_coef` with `actor.use_kl_loss`; TRL: `beta`; prime-rl: `kl_tau`."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(pi_theta || pi_ref) (Schulman 2020): k1 = log(pi_theta/pi_ref), k2 = its square / 2, k3 = r - 1 - log r with r = pi_ref/pi_theta (unbiased, never negative; clamped to [-10, 10]). verl: `actor.kl_loss_type` (`kl`, `mse`, `low_var_kl`)."""
+    in_reward: bool = False
+    """Take the penalty from each response's reward instead of adding it to the loss: r - coef x (sum over its tokens of the estimate between the sampling policy's recorded log-probs and pi_ref), then the advantages again. verl: `algorithm.use_kl_in_reward` (with `algorithm.kl_ctrl.kl_coef`)."""
 
 
 class CorrectionConfig(_Section):

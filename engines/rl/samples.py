@@ -246,6 +246,8 @@ def samples_from_table(
             float(result.advantages[i]),
             masks[i],
             None if lags is None else lags[i],
+            float(rewards[i] + shaping[i]),
+            codes[group_names[i]],
         )
         for i in range(table.num_rows)
         if keep[i]

@@ -22,7 +22,11 @@ from sluice.engines.rl.aggregation import aggregation_scale
 from sluice.engines.rl.batching import PackedBatch
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.proximal import loglinear_proximal
-from sluice.engines.rl.regularizers import entropy_bonus_loss, kl_penalty_loss
+from sluice.engines.rl.regularizers import (
+    entropy_bonus_loss,
+    kl_penalty_loss,
+    kl_reward_penalty,
+)
 from sluice.engines.rl.train_batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -203,3 +207,36 @@ def minibatch_loss(
         return loss, parts
 
     return loss_of
+
+
+def kl_reward_advantages(
+    trainer: PolicyTrainer, batch: TrainBatch, reference: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token advantages after a KL penalty in the reward (verl's ``use_kl_in_reward``):
+    r_i − β Σ_t k_t for each response, the estimate taken between the policy that
+    sampled (its recorded log-probs: no forward pass) and the reference, then the
+    configured advantage estimator again over the batch's groups."""
+    s = trainer.settings
+    if trainer.advantage_fn is None:
+        raise ValueError("a KL penalty in the reward needs the trainer's advantage_fn")
+    if any(r is None for r in batch.rewards) or any(g is None for g in batch.groups):
+        raise ValueError(
+            "a KL penalty in the reward needs every sample's reward and group "
+            "(samples_from_table records them)"
+        )
+    n = len(batch.sequences)
+    lengths = torch.tensor(batch.response_lens)
+    penalty = kl_reward_penalty(
+        batch.behaviour_logprobs,
+        reference,
+        batch.loss_mask,
+        torch.repeat_interleave(torch.arange(n), lengths),
+        n,
+        kind=s.kl_estimator,
+        coef=s.kl_coef,
+    )
+    rewards = torch.tensor(batch.rewards, dtype=torch.float64) - penalty
+    codes = {g: i for i, g in enumerate(dict.fromkeys(batch.groups))}
+    result = trainer.advantage_fn(rewards, group_ids=torch.tensor([codes[g] for g in batch.groups]))
+    advantages = torch.repeat_interleave(result.advantages.to(torch.float32), lengths)
+    return advantages, {"reward/kl_penalty_mean": float(penalty.mean())}

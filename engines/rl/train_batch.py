@@ -35,6 +35,11 @@ class TrainingSample:
     """Per response token, how many policy versions the weights that sampled it were
     behind the weights this step starts from (v − v_behav, >= 0): what the log-linear
     π_prox approximation interpolates by. None: 0 for every token (on-policy)."""
+    reward: float | None = None
+    """The (shaped) reward `advantage` was computed from; what a KL penalty in the
+    reward is taken from before the advantages are computed again."""
+    group: int | None = None
+    """The sample's prompt group (any int, the same for its group), for that recomputation."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class TrainerSettings:
     """Weight of the KL penalty to the reference policy in the loss (0 = off)."""
     kl_estimator: str = "k3"
     """Estimator of KL(π_θ ‖ π_ref) per token (`sluice.engines.rl.regularizers`)."""
+    kl_in_reward: bool = False
+    """Take the KL penalty from each response's reward (then the advantages again)
+    instead of adding it to the loss."""
     lr_warmup_steps: int = 0
     """Steps of linear learning-rate warm-up (`sluice.engines.rl.schedules`)."""
     lr_decay: str = "constant"
@@ -94,6 +102,8 @@ class TrainBatch:
     advantages: torch.Tensor  # flat over response tokens
     loss_mask: torch.Tensor  # flat over response tokens: which are trained
     version_lag: torch.Tensor | None = None  # flat over response tokens: v − v_behav
+    rewards: list[float | None] = field(default_factory=list)  # per sample
+    groups: list[int | None] = field(default_factory=list)  # per sample
     response_offsets: list[int] = field(default_factory=list)  # start of each sample's tokens
 
     def __post_init__(self) -> None:
@@ -152,4 +162,6 @@ def make_batch(samples: Sequence[TrainingSample]) -> TrainBatch:
         torch.cat(advantages),
         torch.cat(masks),
         torch.cat(lags),
+        [s.reward for s in kept],
+        [s.group for s in kept],
     )

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from sluice.engines.policy.model import load_policy_dir
+from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.batching import PackedBatch, register_packed_attention
 from sluice.engines.rl.logprob_pass import LogprobPasses
 from sluice.engines.rl.lora import LoraSettings, load_adapter, save_adapter
@@ -52,6 +53,7 @@ from sluice.engines.rl.step_loss import (
     SUMMED_LOSSES,
     MicroBatchLossFn,
     ProximalState,
+    kl_reward_advantages,
     minibatch_loss,
     settle,
 )
@@ -101,8 +103,10 @@ class PolicyTrainer(LogprobPasses):
         decoupled: bool = True,
         lora: LoraSettings | None = None,
         reference_dir: str | Path | None = None,
+        advantage_fn: AdvantageFn | None = None,
     ):
         self.settings = settings
+        self.advantage_fn = advantage_fn
         self.lora = lora if lora is not None and lora.enabled else None
         self.loss_fn = loss_fn
         self.correction_fn = correction_fn
@@ -282,9 +286,15 @@ class PolicyTrainer(LogprobPasses):
         lr = self._scheduled_lr()
         reference = None
         reference_time = 0.0
+        reference_tokens = 0
+        reward_metrics: dict[str, float] = {}
         if s.kl_coef > 0:
             reference = self._reference_logprobs(batch)
             reference_time = time.perf_counter() - started
+            reference_tokens = batch.response_offsets[-1]
+            if s.kl_in_reward:  # the penalty is in the advantages, not the loss
+                batch.advantages, reward_metrics = kl_reward_advantages(self, batch, reference)
+                reference = None
         steps = self._minibatches(n)
         prox = ProximalState.empty(batch)
         free = self._proximal_is_free()
@@ -336,7 +346,7 @@ class PolicyTrainer(LogprobPasses):
             applied += not self._refused
         self._guard = None
         self.steps_done += applied > 0
-        metrics = dict(prox.metrics)
+        metrics = {**prox.metrics, **reward_metrics}
         if loss_parts:  # none when the guard refused the update before any gradient
             metrics.update(merge_micro_batch_metrics(loss_parts))
         # Each minibatch's loss sums to its own mean: report the mean over optimizer steps.
@@ -362,9 +372,7 @@ class PolicyTrainer(LogprobPasses):
                 "train/proximal_time_s": prox_time,
                 "train/proximal_pass_tokens": float(pass_tokens),
                 "train/reference_time_s": reference_time,
-                "train/reference_pass_tokens": float(
-                    batch.response_offsets[-1] if reference is not None else 0
-                ),
+                "train/reference_pass_tokens": float(reference_tokens),
                 "train/trained_tokens_per_s": trained_tokens / elapsed if elapsed > 0 else 0.0,
             }
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.advantages import make_advantage_fn
 from sluice.engines.rl.lora import LoraSettings
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
@@ -36,6 +37,7 @@ def trainer_settings(config: RunConfig) -> TrainerSettings:
         entropy_coef=t.loss.entropy_coef,
         kl_coef=t.kl.coef,
         kl_estimator=t.kl.estimator,
+        kl_in_reward=t.kl.in_reward,
         lr_warmup_steps=t.lr_warmup_steps,
         lr_decay=t.lr_decay,
         lr_min_ratio=t.lr_min_ratio,
@@ -79,5 +81,10 @@ def build_rank_trainer(
         )
     lora = LoraSettings(**t.lora.model_dump()) if t.lora.rank else None
     return PolicyTrainer(
-        *args, device=device, decoupled=t.loss.decoupled, lora=lora, reference_dir=reference_dir
+        *args,
+        device=device,
+        decoupled=t.loss.decoupled,
+        lora=lora,
+        reference_dir=reference_dir,
+        advantage_fn=make_advantage_fn(**t.advantage.model_dump()),
     )
