@@ -55,9 +55,9 @@ def loglinear_proximal(
     behaviour = behaviour_logprobs.detach().to(torch.float32)
     current = logprobs.detach().to(torch.float32)
     lag = lag.to(torch.float32)
-    if step_fraction == 0:
-        return current.clone()
     if bool((lag < 0).any()):
         raise ValueError("lag must be >= 0: a token cannot come from a version after π_prox")
+    if step_fraction == 0:
+        return current.clone()
     alpha = lag / (lag + step_fraction)
     return behaviour + alpha * (current - behaviour)

@@ -1,6 +1,9 @@
 """Learning-rate schedule of the trainer, as a multiplier of the base learning rate.
 
-``step`` counts the optimizer steps already taken (0 for the first), W = ``warmup_steps``,
+``step`` counts the scheduler's steps already taken (0 for the first); the trainer steps it
+once per policy version (`train_step`), so every optimizer step of a version shares
+its rate and a resume, which restores the version count, goes on where it was.
+W = ``warmup_steps``,
 T = ``total_steps``, m = ``min_ratio``::
 
     s < W        (s + 1) / W                          linear warm-up
@@ -39,10 +42,11 @@ def lr_multiplier(
     decay: str,
     min_ratio: float,
 ) -> float:
-    """Multiplier of the base learning rate for the optimizer step ``step`` (see the module).
+    """Multiplier of the base learning rate at scheduler step ``step`` (see the module).
 
     Args:
-        step: optimizer steps already taken, 0 for the first; non-negative.
+        step: scheduler steps already taken (policy versions, in the trainer), 0 for the
+            first; non-negative.
         warmup_steps: W, steps of linear warm-up (0 for none); at most ``total_steps``.
         total_steps: T, the step at which the decay reaches ``min_ratio``; positive.
         decay: one of :data:`LR_DECAYS`.
@@ -52,7 +56,7 @@ def lr_multiplier(
     if decay not in LR_DECAYS:
         raise ValueError(f"unknown learning-rate decay '{decay}'; known: {', '.join(LR_DECAYS)}")
     if step < 0:
-        raise ValueError(f"step counts optimizer steps taken and must be >= 0, got {step}")
+        raise ValueError(f"step counts scheduler steps taken and must be >= 0, got {step}")
     if total_steps < 1:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
     if not 0 <= warmup_steps <= total_steps:
