@@ -206,7 +206,7 @@ class TrainerConfig(_Section):
     publish_every: int = Field(1, ge=1)
     """Commit a new policy version every K training steps."""
     time_budget_s: float | None = Field(None, gt=0)
-    """Stop the run this many wall-clock seconds after the flow started (start-up included), whatever step it reached; None = run `total_steps`."""
+    """Stop the run this many wall-clock seconds after the flow started (start-up included): the step in progress then finishes, and no further one starts, even on a batch already complete; None = run `total_steps`."""
     loss: LossConfig = LossConfig()
     """Policy loss."""
     kl: KlConfig = KlConfig()

@@ -183,7 +183,11 @@ class TrainRole(TrainingRole):
         def complete() -> bool:
             return (bool(lost) and not self.buffer.refill) or not self.buffer.missing(step)
 
-        if not self.consume(self.reader, file_shard, wait_a_little, done=complete):
+        # A stop (the time budget, a failed role) ends training before the next step even
+        # when its batch is already complete: consume() would not ask.
+        if self.control.should_stop(check_marker_every_s=0.0) or not self.consume(
+            self.reader, file_shard, wait_a_little, done=complete
+        ):
             raise StopRequested
         table, done = self.buffer.take(step)
         return table, done, waited, lost

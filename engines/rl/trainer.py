@@ -289,14 +289,16 @@ class PolicyTrainer(LogprobPasses):
         reference_tokens = 0
         reward_metrics: dict[str, float] = {}
         if s.kl_coef > 0:
+            reference_started = time.perf_counter()
             reference = self._reference_logprobs(batch)
-            reference_time = time.perf_counter() - started
+            reference_time = time.perf_counter() - reference_started
             reference_tokens = batch.response_offsets[-1]
             if s.kl_in_reward:  # the penalty is in the advantages, not the loss
                 batch.advantages, reward_metrics = kl_reward_advantages(self, batch, reference)
                 reference = None
         steps = self._minibatches(n)
         prox = ProximalState.empty(batch)
+        prox_started = time.perf_counter()
         free = self._proximal_is_free()
         exact_first = steps[0]
         pass_tokens = 0
@@ -318,7 +320,7 @@ class PolicyTrainer(LogprobPasses):
             pass_tokens = batch.response_offsets[-1]
             settle(self, batch, prox, list(range(n)))
             self._guard, self._refused = guard, guard is not None and not guard(dict(prox.metrics))
-        prox_time = time.perf_counter() - started - reference_time
+        prox_time = time.perf_counter() - prox_started
 
         def settled() -> bool:
             """After the first minibatch's backward, before its step: what the guard

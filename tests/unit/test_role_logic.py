@@ -469,3 +469,19 @@ def test_a_signal_is_seen_without_reading_storage_but_the_done_marker_is_not(con
     fresh = RunControl(config, run_paths(config, "other"))
     fresh.request_stop()
     assert fresh.stop_requested()
+
+
+def test_a_stop_ends_training_before_a_batch_that_is_already_complete(config):
+    """The time budget's done marker stops the trainer at the next step, not after every
+    batch that had finished by then (those would be trained past the budget)."""
+    from sluice.tasks.train import TrainRole
+
+    writer = StreamWriter(config.storage.url, "run", "scored", writer_id="reward")
+    for i in range(2 * config.trainer.prompts_per_batch):  # batches 0 and 1, complete
+        writer.write(table_from_rows(scored_rows(i)), shard_key=group_key(i))
+    role = TrainRole(config, "run", mlflow_run_id="")
+    table, _, _, _ = role.next_batch(0)
+    assert table is not None and table.num_rows > 0
+    role.control.mark_done("time budget of 60 s reached")
+    with pytest.raises(StopRequested):
+        role.next_batch(1)
