@@ -61,6 +61,18 @@ def check_same_shape(reference_name: str, reference: Tensor, **others: Tensor | 
             )
 
 
+def check_num_global_tokens(num_global_tokens: int | float | Tensor) -> None:
+    """Raise one ValueError unless the loss denominator is a positive number (or a scalar)."""
+    if isinstance(num_global_tokens, Tensor):
+        if num_global_tokens.numel() != 1:
+            raise ValueError("num_global_tokens must be a scalar")
+    elif num_global_tokens <= 0:
+        raise ValueError(
+            f"num_global_tokens must be positive, got {num_global_tokens}; "
+            "a global batch without response tokens has no loss"
+        )
+
+
 def masked_mean(values: Tensor, valid: Tensor, num_valid: Tensor) -> Tensor:
     """Mean of ``values`` over valid tokens (0 when there are none)."""
     return torch.where(valid, values, 0.0).sum() / num_valid.clamp(min=1)
@@ -121,14 +133,7 @@ def policy_terms(
         token_scale=token_scale,
         sequence_ids=sequence_ids,
     )
-    if isinstance(num_global_tokens, Tensor):
-        if num_global_tokens.numel() != 1:
-            raise ValueError("num_global_tokens must be a scalar")
-    elif num_global_tokens <= 0:
-        raise ValueError(
-            f"num_global_tokens must be positive, got {num_global_tokens}; "
-            "a global batch without response tokens has no loss"
-        )
+    check_num_global_tokens(num_global_tokens)
 
     dtype = logprobs.dtype
     mask = loss_mask.to(dtype)

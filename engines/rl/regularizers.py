@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import torch
 
+from sluice.engines.rl.objectives import check_num_global_tokens, check_same_shape
 from sluice.engines.rl.rollout_correction import Segments
 
 Tensor = torch.Tensor
@@ -81,26 +82,6 @@ def _check_kind(kind: str) -> Callable[[Tensor], Tensor]:
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator '{kind}'; known: {', '.join(KL_ESTIMATORS)}")
     return KL_ESTIMATORS[kind]
-
-
-def _check_same_shape(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
-    for name, tensor in others.items():
-        if tensor is not None and tensor.shape != reference.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)} but {reference_name} has "
-                f"{tuple(reference.shape)}; every per-token input must share one layout"
-            )
-
-
-def _check_num_global_tokens(num_global_tokens: int | float | Tensor) -> None:
-    if isinstance(num_global_tokens, Tensor):
-        if num_global_tokens.numel() != 1:
-            raise ValueError("num_global_tokens must be a scalar")
-    elif num_global_tokens <= 0:
-        raise ValueError(
-            f"num_global_tokens must be positive, got {num_global_tokens}; "
-            "a global batch without response tokens has no loss"
-        )
 
 
 def _aggregate(
@@ -145,7 +126,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
         ``logprobs``. No masking: see :func:`kl_penalty_loss` for masked positions.
     """
     estimator = _check_kind(kind)
-    _check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
+    check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
     return estimator(ref_logprobs.detach().to(logprobs.dtype) - logprobs)
 
 
@@ -184,7 +165,7 @@ def kl_penalty_loss(
     estimator = _check_kind(kind)
     if coef < 0:
         raise ValueError(f"the KL coefficient must be non-negative, got {coef}")
-    _check_same_shape(
+    check_same_shape(
         "logprobs",
         logprobs,
         ref_logprobs=ref_logprobs,
@@ -192,7 +173,7 @@ def kl_penalty_loss(
         token_scale=token_scale,
     )
     if token_scale is None:
-        _check_num_global_tokens(num_global_tokens)
+        check_num_global_tokens(num_global_tokens)
 
     valid = loss_mask.to(torch.bool)
     kl = estimator(_masked_log_ratio(logprobs, ref_logprobs, valid))
@@ -238,7 +219,7 @@ def kl_reward_penalty(
     estimator = _check_kind(kind)
     if coef < 0:
         raise ValueError(f"the KL coefficient must be non-negative, got {coef}")
-    _check_same_shape(
+    check_same_shape(
         "logprobs",
         logprobs,
         ref_logprobs=ref_logprobs,
@@ -284,9 +265,9 @@ def entropy_bonus_loss(
     Returns:
         ``(loss, metrics)`` with ``loss/entropy_bonus`` the detached loss.
     """
-    _check_same_shape("entropy", entropy, loss_mask=loss_mask, token_scale=token_scale)
+    check_same_shape("entropy", entropy, loss_mask=loss_mask, token_scale=token_scale)
     if token_scale is None:
-        _check_num_global_tokens(num_global_tokens)
+        check_num_global_tokens(num_global_tokens)
     valid = loss_mask.to(torch.bool)
     # where() first: a NaN entropy on a padding row must not reach the sum or its grad.
     masked_entropy = torch.where(valid, entropy, 0.0)
