@@ -20,9 +20,9 @@ evaluated while the clock runs (``evaluation.during_run=false``: every core goes
 rollout and training, as in the shipped config's own study).
 
 Equal wall time is had from the registry's commit times, not from where a run stops:
-when the budget runs out the rollout stops, but the trainer still trains every batch
-already complete (up to η + 1 of them, after the budget and with the cores to itself).
-So a run's steps are the newest version committed within the budget since the flow was
+when the budget runs out, the step in progress still finishes and is committed after
+it (before the trainer learnt to stop at its next step, every batch already complete
+was trained too, with the cores to itself). So a run's steps are the newest version committed within the budget since the flow was
 called, its per-step means are over those steps only, and that version is the one
 scored on the held-out prompts after the run, with the same sampling seeds as the start
 policy (seed 0, no greedy pass: ``sluice bench time-to-target``'s scoring). Retention
@@ -32,7 +32,7 @@ state are deleted.
 Per run, from its MLflow metrics over those steps: s / step = mean of
 ``train/step_time_s`` (the trainer's compute per step, its π_prox pass included; the
 wall time per step is the budget over the steps); π_prox s / step = mean of
-``train/proximal_time_s`` (which also holds the step's batch assembly, ~10 ms), and its
+``train/proximal_time_s`` (the pass alone), and its
 share = that mean over the s / step mean; π_prox pass tokens = mean of
 ``train/proximal_pass_tokens``; response tokens = mean of ``train/response_tokens``
 (the batch's size varies as all-equal groups are dropped, and the step time with it);
