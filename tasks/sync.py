@@ -109,6 +109,7 @@ class SyncRole(TrainingRole):
         reference = fetch_reference(cfg, self.registry, local_root / "reference")
         trainer = build_trainer(cfg, model_dir, reference)
         advantages = advantage_fn(cfg)
+        shape_rewards = reward_shaping(cfg)
         version = latest.policy_version
         background = Background("sync-commit")
         started = time.monotonic()
@@ -134,7 +135,7 @@ class SyncRole(TrainingRole):
             ]
             table = batch_table(batch_rows(prompts, outputs, rewards, version))
             samples, stats = samples_from_table(
-                table, advantages, policy_version=version, shape_rewards=reward_shaping(cfg)
+                table, advantages, policy_version=version, shape_rewards=shape_rewards
             )
             stats.update(staleness_stats(table, version))
             metrics = trainer.train_step(samples) if samples else {}

@@ -255,7 +255,10 @@ def make_policy_loss(
     )
 
 
-_SUMMED_METRICS = ("loss/policy_loss", "loss/valid_tokens", "loss/kl_loss", "loss/entropy_bonus")
+SUMMED_LOSSES = ("loss/policy_loss", "loss/kl_loss", "loss/entropy_bonus")
+"""Loss metrics that add up over micro-batches (each is already a share of its
+minibatch's loss); the trainer averages them over a step's optimizer steps."""
+_SUMMED_METRICS = (*SUMMED_LOSSES, "loss/valid_tokens")
 
 
 def merge_micro_batch_metrics(per_micro_batch: Iterable[Mapping[str, Tensor]]) -> dict[str, float]:

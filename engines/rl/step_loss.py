@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from sluice.engines.rl.aggregation import aggregation_scale
@@ -35,10 +34,6 @@ if TYPE_CHECKING:
 MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
 micro-batch's share of the minibatch's aggregated loss."""
-
-SUMMED_LOSSES = ("loss/policy_loss", "loss/kl_loss", "loss/entropy_bonus")
-"""Loss metrics that add up over micro-batches (each is already a share of its
-minibatch's loss) and are averaged over a step's optimizer steps."""
 
 
 @dataclass
@@ -71,6 +66,11 @@ class ProximalState:
         )
 
 
+def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` of responses of these token counts."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.to(torch.int64).cumsum(0)])
+
+
 def correct(
     trainer: PolicyTrainer,
     proximal: torch.Tensor,
@@ -93,7 +93,7 @@ def settle(
     what the watchdog judges."""
     tokens = trainer._token_index(batch, indices)
     lengths = [batch.response_lens[i] for i in indices]
-    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
+    cu = cu_seqlens(torch.tensor(lengths, dtype=torch.int64))
     proximal, behaviour = prox.values[tokens], batch.behaviour_logprobs[tokens]
     mask = batch.loss_mask[tokens]
     weights, corrected = correct(trainer, proximal, behaviour, mask, cu)
@@ -167,7 +167,7 @@ def minibatch_loss(
             else:
                 approx = loglinear_proximal(behaviour, current, lag[tokens], step_fraction)
                 proximal = torch.where(known, prox.values[tokens], approx)
-            cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            cu = cu_seqlens(lengths)
             weights, corrected = correct(trainer, proximal, behaviour, mask, cu)
         sequence_ids = torch.repeat_interleave(torch.arange(len(mb)), lengths)
         scale = aggregation_scale(mask, sequence_ids, s.loss_agg_mode, num_sequences)

@@ -46,11 +46,10 @@ from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.batching import PackedBatch, register_packed_attention
 from sluice.engines.rl.logprob_pass import LogprobPasses
 from sluice.engines.rl.lora import LoraSettings, load_adapter, save_adapter
-from sluice.engines.rl.loss import PolicyLoss, merge_micro_batch_metrics
+from sluice.engines.rl.loss import SUMMED_LOSSES, PolicyLoss, merge_micro_batch_metrics
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
 from sluice.engines.rl.schedules import lr_multiplier
 from sluice.engines.rl.step_loss import (
-    SUMMED_LOSSES,
     MicroBatchLossFn,
     ProximalState,
     kl_reward_advantages,
