@@ -5,6 +5,7 @@ task itself, in the reward pool, under its deadline; bad tasks fail in one line.
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import numpy as np
@@ -68,6 +69,24 @@ def test_the_row_carries_the_question_the_instruction_and_what_rebuilds_the_entr
     assert (spec["extraction"], spec["format_reward"]) == ("boxed", 0.1)
     assert problem.reference_response(row) == f"\\boxed{{{row['answer']}}}"
     assert problem.check_answer(row, problem.reference_response(row))
+
+
+def test_a_task_with_a_term_count_gives_the_row_its_size_for_the_held_out_split():
+    from sluice.engines.rl.evaluation import reward_by_size
+
+    mix = {"settings": {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1}}
+    rows = ReasoningGymProblem({"chain_sum": mix}).sample_prompts(40, 0)
+    # The size is the number of terms in the question ("...problem: 1 + 5 - 3 =" has 3).
+    assert all(r["num_terms"] == len(re.findall(r"\d+", r["question"])) for r in rows)
+    assert {r["num_terms"] for r in rows} == {2, 3, 4}
+    rewards = [1.0 if r["num_terms"] == 2 else 0.0 for r in rows]
+    assert reward_by_size(rows, rewards, 1) == {
+        "eval/reward_terms_2": 1.0,
+        "eval/reward_terms_3-4": 0.0,
+    }
+    # leg_counting has no term count: its rows carry no size.
+    legs = ReasoningGymProblem({"leg_counting": {}}).sample_prompts(3, 0)
+    assert all("num_terms" not in r for r in legs)
 
 
 def test_the_mix_follows_its_weights():

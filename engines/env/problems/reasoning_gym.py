@@ -178,7 +178,11 @@ class ReasoningGymProblem:
         entry = dataset_for(task.name, self.dataset_seed, self.dataset_size, task.settings)[index]
         question = str(entry["question"])
         prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
+        terms = entry.get("metadata", {}).get("num_terms")
+        # A size the held-out metrics split by (eval/reward_terms_*), where the task has one.
+        size = {"num_terms": terms} if isinstance(terms, int) else {}
         return {
+            **size,
             "prompt_id": f"{task.name}-{self.dataset_seed}-{index}",
             "prompt": prompt,
             "answer": str(entry["answer"]),

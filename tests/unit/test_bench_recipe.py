@@ -1,0 +1,91 @@
+"""bench_recipe's curve summary and settings: hand-made curves, numbers worked out in comments."""
+
+import argparse
+
+import pytest
+
+from sluice.infra.config import ConfigError
+from tests.benchmarks.bench_recipe import RecipeRun, build_config, report_text, runs_table
+
+
+def run(seed: int, curve: list[tuple[float, int, float]], budget_s: float = 600.0) -> RecipeRun:
+    return RecipeRun(seed, f"r{seed}", budget_s, curve=curve, step_time_s=20.0)
+
+
+# Budget 600 s: the last third starts at 400 s. v9 came after the budget.
+HELD = run(0, [(5, 0, 0.10), (200, 3, 0.30), (420, 6, 0.28), (590, 8, 0.32), (640, 9, 0.05)])
+FELL = run(1, [(5, 0, 0.10), (200, 3, 0.40), (420, 6, 0.20), (590, 8, 0.26)])
+
+
+def test_final_is_the_newest_version_within_the_budget_and_hold_the_last_third_mean():
+    assert HELD.start == 0.10
+    assert HELD.steps == 8 and HELD.final == 0.32  # v9 (0.05) came after the budget
+    assert HELD.peak == 0.32
+    assert HELD.hold == pytest.approx((0.28 + 0.32) / 2)  # v6 and v8 (at >= 400 s)
+    assert HELD.gain(HELD.final) == pytest.approx(0.22)
+
+
+def test_a_gain_that_fell_back_does_not_hold_even_with_a_good_final():
+    # FELL: peak +0.30 at v3, final +0.16, but the last third's mean is +0.13.
+    assert FELL.gain(FELL.final) == pytest.approx(0.16)
+    assert FELL.gain(FELL.hold) == pytest.approx(0.13)
+    assert not FELL.holds(0.15)
+    assert HELD.holds(0.15)
+    assert not HELD.holds(0.25)  # final +0.22
+
+
+def test_a_run_with_no_version_in_the_last_third_has_no_hold():
+    early = run(2, [(5, 0, 0.1), (100, 1, 0.5)])
+    assert early.hold is None and not early.holds(0.15)
+
+
+def test_the_report_lists_each_run_and_counts_the_seeds_that_hold():
+    broken = RecipeRun(3, "r3", 600.0, error="RuntimeError: boom")
+    text = report_text([HELD, FELL, broken], 0.15)
+    assert "(after the budget)" in text  # v9 is shown but marked
+    assert "failed: RuntimeError: boom" in text
+    last = runs_table([HELD, FELL], 0.15).splitlines()[-1]
+    assert last.startswith("| mean ± std | 8.0 ± 0.0")
+    assert last.endswith("| 1 of 2 |")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seeds": 0}, "--seeds must be >= 1"),
+        ({"every": 0}, "--every must be >= 1"),
+        ({"overrides": ["evaluation.every=3"]}, "bench_recipe sets evaluation.every itself"),
+        ({"model_path": "/nonexistent"}, "not a Hugging Face model directory"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line(tmp_path, change, message):
+    (tmp_path / "config.json").write_text("{}")
+    args = dict(
+        model_path=str(tmp_path),
+        config="reasoning_gym_mix",
+        seeds=1,
+        minutes=1.0,
+        every=5,
+        overrides=[],
+    )
+    args.update(change)
+    with pytest.raises(ConfigError, match=message):
+        build_config(argparse.Namespace(**args))
+
+
+def test_scoring_is_greedy_on_the_shipped_mix(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    args = argparse.Namespace(
+        model_path=str(tmp_path),
+        config="reasoning_gym_mix",
+        seeds=1,
+        minutes=2.0,
+        every=4,
+        overrides=[],
+    )
+    config, scoring = build_config(args)
+    assert config.trainer.time_budget_s == 120 and config.evaluation.every == 4
+    assert not config.evaluation.during_run
+    assert scoring.evaluation.temperature == 0 and scoring.seed == 0
+    tasks = config.problem.reasoning_gym.tasks
+    assert tasks["chain_sum"].settings["max_terms"] == 4
