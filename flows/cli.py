@@ -1,19 +1,31 @@
 """`sluice` command line: parse and validate first, import the heavy parts after.
 
-    sluice train [CONFIG] [--set key=value ...] [--resume RUN | --sync]
-    sluice eval  [CONFIG] [--set ...] [--run RUN] [--version N]
-    sluice serve [CONFIG] ...            # Prefect deployments
+    sluice --version
+    sluice train [CONFIG] [KEY=VALUE ...] [--resume RUN | --sync] [--dry-run]
+    sluice status [RUN]                   # from another terminal: step, reward, each role
+    sluice logs [RUN] [--role R] [-f]     # the roles' logs; -f follows them
+    sluice eval  [CONFIG] [KEY=VALUE ...] [--run RUN] [--version N]
+    sluice promote [RUN] [--version N] --to NAME[@ALIAS]   # into a long-lived MLflow model (flows/promote.py)
+    sluice serve [CONFIG] ...             # Prefect deployments
     sluice bench NAME [--set ...]         # time-to-target | async-vs-sync | staleness | ...
     sluice bench time-to-target [--variant sync|'async η=4' ...] [--seeds N] [--horizon S] [--delta D]
     sluice bench staleness [--eta E ...] [--objective decoupled|naive ...] [--seeds N]
     sluice bench mismatch  [--mode none|token_tis|... ...] [--seeds N]
-    sluice model import SRC DIR [--dtype D] [--force]   # flows/model_cli.py
+    sluice plan [CONFIG] [--from-run RUN ...] [--hardware GPU ...]
+    sluice model import SRC DIR [--dtype D] [--force]
+
+A bare KEY=VALUE after a command is `--set KEY=VALUE` (`sluice train reasoning_gym
+trainer.lr=1e-5`; a `--set` of the same key wins); `--set workdir=DIR` tells `status`
+and `logs` where the runs are. RUN defaults to the newest run there.
 
 A bad config fails here in milliseconds with one line, before torch, Prefect or
-MLflow are imported. Every command lives here (exit codes, error lines, what is
-printed), except `sluice model`'s parser and output (flows/model_cli.py); the flows it
-calls (flows/train.py, flows/evaluate.py, flows/bench/async_vs_sync.py, ...) are
-imported only once the arguments are known to be good.
+MLflow are imported; `status`, `logs` and `train --dry-run` never import them. This
+module parses, checks and dispatches; each command's body is its own module, imported
+once the arguments are known to be good: flows/cli_train.py (`train`, and where to look
+while it runs), flows/cli_dry_run.py, flows/cli_status.py, flows/cli_logs.py,
+flows/cli_eval.py, flows/cli_serve.py, flows/cli_bench.py (`bench`'s arguments and
+checks), flows/model_cli.py and flows/planner/. The one error line and the exit codes
+of a stop are flows/cli_common.py's.
 """
 
 from __future__ import annotations
@@ -23,16 +35,25 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, get_args
+from pathlib import Path
+from typing import Any
 
 from sluice.engines.policy.importer import ModelImportError
+from sluice.flows.cli_bench import add_bench_parser
+from sluice.flows.cli_common import (
+    add_config_args,
+    add_overrides_arg,
+    exit_code,
+    fail,
+    interruption,
+)
+from sluice.flows.cli_eval import format_eval_result as format_eval_result  # re-exported
+from sluice.flows.cli_serve import run_serve as run_serve  # re-exported
 from sluice.flows.model_cli import add_model_parser, run_model
 from sluice.flows.planner.args import add_plan_parser
+from sluice.flows.promote import add_promote_parser, run_promote
 from sluice.flows.run_dirs import resolve_run
-from sluice.infra.config import ConfigError, CorrectionConfig, RunConfig, load_config
-
-BENCHMARKS = ["time-to-target", "async-vs-sync", "staleness", "mismatch", "determinism"]
-CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionConfig.model_fields["mode"].annotation)
+from sluice.infra.config import ConfigError, RunConfig, load_config
 
 QUIET_ENV = {
     "DO_NOT_TRACK": "true",
@@ -42,6 +63,10 @@ QUIET_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "TOKENIZERS_PARALLELISM": "false",
 }
+DISTRIBUTION = "sluice-rl"
+"""The distribution `pip install` puts Sluice in (pyproject.toml's [project] name)."""
+RUN_READERS = ("status", "logs")
+"""Commands that read a run's files and nothing else (no config of their own: RUN)."""
 
 
 def _quiet_environment() -> None:
@@ -49,42 +74,77 @@ def _quiet_environment() -> None:
         os.environ.setdefault(key, value)
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
+def installed_version() -> str:
+    """The version of the installed distribution that holds the `sluice` package."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:  # renamed: the slower lookup, by the package it holds
+        for name in packages_distributions().get("sluice", []):
+            return version(name)
+    return "unknown (not installed: pip install -e .)"
+
+
+class _PrintVersion(argparse.Action):
+    """`--version`: the installed distribution's version, read only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"sluice {installed_version()}")
+        parser.exit()
+
+
+def _add_run_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "config",
+        "run",
         nargs="?",
-        default="default",
-        help="YAML config file, or the name of one in flows/configs (default: default)",
+        default=None,
+        metavar="RUN",
+        help="run id (default: the newest under {workdir}/runs)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key, e.g. --set staleness.max_staleness=4 (repeatable)",
-    )
+    add_overrides_arg(parser, example="workdir=DIR (where the runs are)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Asynchronous RL for LLMs on verifiable reasoning tasks."
     )
+    parser.add_argument("--version", action=_PrintVersion, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run asynchronous RL (the main job)")
-    _add_config_args(train)
+    add_config_args(train)
     train.add_argument(
         "--resume", metavar="RUN", help="continue run RUN from its newest committed version"
     )
     train.add_argument(
         "--sync", action="store_true", help="run the synchronous colocated baseline instead"
     )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, the processes the run would start and an estimate "
+        "of their memory, then exit without starting anything",
+    )
+
+    status = sub.add_parser(
+        "status", help="where a run stands: step, reward, staleness, tokens/s, each role"
+    )
+    _add_run_arg(status)
+    logs = sub.add_parser("logs", help="print a run's role logs (-f: follow them)")
+    _add_run_arg(logs)
+    logs.add_argument("--role", metavar="R", help="this role's log only (default: every log)")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C"
+    )
 
     evaluate = sub.add_parser(
         "eval", help="evaluate a committed policy version on held-out prompts"
     )
-    _add_config_args(evaluate)
+    add_config_args(evaluate)
     evaluate.add_argument(
         "--run",
         metavar="RUN",
@@ -97,135 +157,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     serve = sub.add_parser("serve", help="serve the flows as Prefect deployments")
-    _add_config_args(serve)
-
-    bench = sub.add_parser(
-        "bench", help="run a benchmark or study that prints a side-by-side table"
-    )
-    bench.add_argument("name", choices=BENCHMARKS, help="benchmark to run")
-    bench.add_argument(
-        "--variant",
-        dest="variants",
-        action="append",
-        default=None,
-        metavar="LABEL",
-        help="async-vs-sync: run only this variant, e.g. 'sync' or 'async η=4 interrupt'; "
-        "time-to-target: only this contender, 'sync', 'async η=1', 'async η=4', or 'async "
-        "η=config' and 'async η=config dynamic' (the config's η, without and with dynamic "
-        "sampling; run only when named) (repeatable)",
-    )
-    bench.add_argument(
-        "--horizon",
-        type=float,
-        default=None,
-        metavar="S",
-        help="time-to-target: wall-clock seconds each run gets, start-up included (default 300)",
-    )
-    bench.add_argument(
-        "--delta",
-        type=float,
-        default=None,
-        metavar="D",
-        help="time-to-target: the target is the start's held-out reward + D (default 0.2)",
-    )
-    bench.add_argument(
-        "--eta",
-        dest="etas",
-        action="append",
-        type=int,
-        default=None,
-        metavar="E",
-        help="staleness: run only max staleness E (repeatable; default 0 1 2 4 8)",
-    )
-    bench.add_argument(
-        "--objective",
-        dest="objectives",
-        action="append",
-        choices=["decoupled", "naive"],
-        default=None,
-        help="staleness: run only this objective (repeatable; default both)",
-    )
-    bench.add_argument(
-        "--mode",
-        dest="modes",
-        action="append",
-        choices=list(CORRECTION_MODES),
-        default=None,
-        help="mismatch: run only this correction mode (repeatable; default none token_tis "
-        "sequence_mis geometric_rs)",
-    )
-    bench.add_argument(
-        "--seeds",
-        type=int,
-        default=None,
-        metavar="N",
-        help="time-to-target, staleness, mismatch: seeds per cell, seed .. seed+N-1 (default 3; "
-        "--set seed=S shifts them)",
-    )
-    _add_config_args(bench)
+    add_config_args(serve)
+    add_bench_parser(sub)
     add_plan_parser(sub)
     add_model_parser(sub)
+    add_promote_parser(sub)
     return parser
 
 
-def check_bench_args(args: argparse.Namespace, config: RunConfig) -> None:
-    """Study options that cannot apply fail here, before anything is imported or run."""
-    from sluice.flows.bench.study_stats import VARIED_KEYS, contender_keys
-
-    allowed = {
-        ("variants", "--variant"): {"async-vs-sync", "time-to-target"},
-        ("etas", "--eta"): {"staleness"},
-        ("objectives", "--objective"): {"staleness"},
-        ("modes", "--mode"): {"mismatch"},
-        ("seeds", "--seeds"): {"staleness", "mismatch", "time-to-target"},
-        ("horizon", "--horizon"): {"time-to-target"},
-        ("delta", "--delta"): {"time-to-target"},
-    }
-    for (option, flag), benches in allowed.items():
-        if getattr(args, option) is not None and args.name not in benches:
-            raise ConfigError(
-                f"{flag} applies to 'sluice bench {' / '.join(sorted(benches))}' only"
-            )
-    if args.seeds is not None and args.seeds < 1:
-        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.horizon is not None and not args.horizon > 0:
-        raise ConfigError(f"--horizon must be > 0 seconds, got {args.horizon}")
-    if args.delta is not None and not args.delta > 0:
-        raise ConfigError(f"--delta must be > 0, got {args.delta}")
-    if args.name == "time-to-target" and args.variants:
-        from sluice.flows.bench.study_stats import TIME_TO_TARGET_CONTENDERS
-
-        unknown = [v for v in args.variants if v not in TIME_TO_TARGET_CONTENDERS]
-        if unknown:
-            raise ConfigError(
-                f"unknown contender(s) {unknown}; known: {list(TIME_TO_TARGET_CONTENDERS)}"
-            )
-    if any(e < 0 for e in args.etas or []):
-        raise ConfigError(f"--eta must be >= 0, got {args.etas}")
-    explicit = {o.partition("=")[0].strip() for o in args.overrides}
-    for key, flag in VARIED_KEYS.get(args.name, {}).items():
-        if key in explicit:
-            raise ConfigError(
-                f"'sluice bench {args.name}' sets {key} in every cell; choose values with {flag}"
-            )
-    clash = (
-        sorted(contender_keys(args.variants) & explicit) if args.name == "time-to-target" else []
-    )
-    if clash:
+def parse_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None = None
+) -> argparse.Namespace:
+    """The command line, with the bare words after the command sorted out: KEY=VALUE is
+    `--set KEY=VALUE` (before the --set ones, so those win), another word the command's
+    CONFIG (RUN for `status`, `logs` and `promote`). Two of those raise ConfigError."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(argv)
+    options = [word for word in extras if word.startswith("-")]
+    if options or (extras and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(options or extras)}")
+    if not hasattr(args, "overrides"):  # `model`: no config
+        return args
+    slot = "run" if args.command in (*RUN_READERS, "promote") else "config"
+    given = getattr(args, slot, None)
+    words = ([given] if given is not None and given in argv else []) + extras
+    settings = [word for word in words if "=" in word and not Path(word).exists()]
+    names = [word for word in words if word not in settings]
+    if len(names) > 1:
+        what = "run" if slot == "run" else "config"
         raise ConfigError(
-            f"'sluice bench time-to-target' contenders {args.variants or 'by default'} set "
-            f"{clash[0]} themselves; choose contenders with --variant (the 'η=config' ones "
-            "keep the config's η)"
+            f"two {what} names given, '{names[0]}' and '{names[1]}': name one, and set "
+            "keys with KEY=VALUE or --set KEY=VALUE"
         )
-    if args.name == "mismatch" and not config.trainer.loss.decoupled:
-        raise ConfigError(
-            "'sluice bench mismatch' compares rollout corrections, which only the decoupled "
-            "objective applies; drop --set trainer.loss.decoupled=false"
-        )
+    default = None if slot == "run" else "default"
+    setattr(args, slot, names[0] if names else default)
+    args.overrides = [*settings, *args.overrides]
+    return args
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, RunConfig]:
-    return check_args(build_parser().parse_args(argv))
+    return check_args(parse_args(build_parser(), argv))
 
 
 def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]:
@@ -243,6 +214,8 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
             "--sync, or set episode.tools=[])"
         )
     if args.command == "bench":
+        from sluice.flows.cli_bench import check_bench_args
+
         check_bench_args(args, config)
     if getattr(args, "resume", None):
         # Resuming under other storage, tracking or batch settings would silently start
@@ -286,17 +259,31 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parse_args(parser, argv)
+    except ConfigError as err:
+        return fail(err)
     if args.command == "model":  # takes no run config
         _quiet_environment()
         try:
             return run_model(args)
         except ModelImportError as err:
             return fail(err)
+    if args.command in RUN_READERS:
+        return read_run(args)
+    if args.command == "promote":  # RUN's own saved config
+        _quiet_environment()
+        return run_promote(args)
     try:
         args, config = check_args(args)
     except ConfigError as err:
         return fail(err)
+    if args.command == "train" and args.dry_run:
+        from sluice.flows.cli_dry_run import dry_run_report
+
+        print(dry_run_report(config, args.config, sync=args.sync, resume=args.resume))
+        return 0
     _quiet_environment()
     # SIGTERM ends a command as Ctrl-C does: the run's roles stop, the temporary Prefect
     # server is shut down, one line says so. Inside a flow Prefect's own handler raises
@@ -322,26 +309,33 @@ def _terminated(signum: int, _frame: Any) -> None:
     raise TerminationSignal(signum)
 
 
-def interruption(stop: BaseException) -> str:
-    """What stopped a command, in words: Ctrl-C or the signal's name."""
-    signum = getattr(stop, "signal", signal.SIGINT)
-    return (
-        "interrupted (Ctrl-C)"
-        if signum == signal.SIGINT
-        else f"{signal.Signals(signum).name} received"
-    )
+def read_run(args: argparse.Namespace) -> int:
+    """`sluice status` and `sluice logs`: a run's own files, nothing started or imported
+    beyond them. The run is looked for under the workdir of the defaults and --set."""
+    try:
+        where = load_config(None, args.overrides)
+        run_id, config = resolve_run(where, args.run, args.overrides)
+    except ConfigError as err:
+        return fail(err)
+    run_dir = Path(where.workdir) / "runs" / run_id
+    if args.command == "status":
+        from sluice.flows.cli_status import run_status
 
+        return run_status(config, run_id, run_dir)
+    from sluice.flows.cli_logs import run_logs
 
-def exit_code(stop: BaseException) -> int:
-    """128 + the signal's number, as a shell reports a command a signal ended."""
-    return 128 + int(getattr(stop, "signal", signal.SIGINT))
+    return run_logs(run_id, run_dir, args.role, args.follow)
 
 
 def run_command(args: argparse.Namespace, config: RunConfig) -> int:
     """The command `args` names, its arguments checked."""
     if args.command == "train":
+        from sluice.flows.cli_train import run_train
+
         return run_train(config, resume=args.resume, sync=args.sync)
     if args.command == "eval":
+        from sluice.flows.cli_eval import run_eval
+
         try:
             run_id, config = resolve_run(config, args.run, args.overrides)
         except ConfigError as err:
@@ -364,132 +358,6 @@ def run_command(args: argparse.Namespace, config: RunConfig) -> int:
         except (ConfigError, ValueError) as err:  # bad input or a run lacking measurements
             return fail(err)
     return 2
-
-
-def fail(err: Exception | str, code: int = 2) -> int:
-    """One error line on stderr; the exit code."""
-    print(f"sluice: error: {err}", file=sys.stderr)
-    return code
-
-
-# ---------------------------------------------------------------- sluice train
-
-
-def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
-    from sluice.tasks.process.supervisor import RunStopped, quiet_run_stopped_tracebacks
-
-    quiet_run_stopped_tracebacks()
-    if sync:
-        from sluice.flows.train_sync import train_sync
-
-        try:
-            result = train_sync(config)
-        except RunStopped as err:
-            return fail(err, err.exit_code)
-        print_where_to_look(config, result)
-        return 0
-    from prefect.exceptions import TerminationSignal
-
-    from sluice.flows.run_claim import new_run_id
-    from sluice.flows.train import ResumeError, train
-
-    run_id = resume or new_run_id(config)
-    try:
-        result = train(config, run_id=run_id, resume=bool(resume))
-    except ResumeError as err:
-        return fail(err)
-    except RunStopped as err:  # an outage outlasted the wait, a checkpoint was damaged
-        return fail(err, err.exit_code)
-    except (KeyboardInterrupt, TerminationSignal) as stop:  # its roles flushed and stopped
-        return fail(
-            f"run {run_id} stopped: {interruption(stop)}; "
-            f"continue with: sluice train --resume {run_id}",
-            exit_code(stop),
-        )
-    print_where_to_look(config, result)
-    return 0
-
-
-def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
-    uri = config.tracking.uri
-    print("\nDone.", file=sys.stdout)
-    for key in ("held_out_reward_start", "held_out_reward_final"):
-        if key in result:
-            print(f"  {key.replace('_', ' ')}: {result[key]:.3f}")
-    print(f"  checkpoint:  {result.get('checkpoint_uri', '-')}")
-    if "core_split" in result:
-        from sluice.tasks.run.report import core_split_lines
-
-        for line in core_split_lines(result["core_split"]):
-            print(f"  {line[2:]}")
-    print(
-        f"  MLflow UI:   mlflow ui --backend-store-uri {uri}   (then open {result.get('mlflow_run_url', '')})"
-    )
-    if "reward_curve_artifact" in result:
-        print(f"  curves:      {result['reward_curve_artifact']} in the MLflow run's artifacts")
-    print("  Prefect UI:  prefect server start   (flow runs at http://127.0.0.1:4200/runs)")
-
-
-# ---------------------------------------------------------------- sluice eval
-
-
-def run_eval(config: RunConfig, run_id: str, version: int | None = None) -> int:
-    """Exit 2 with one line when the version does not exist, else evaluate it."""
-    from sluice.flows.evaluate import VersionNotFound, evaluate, find_version
-    from sluice.infra.registry import RegistryError
-    from sluice.infra.tracking import TrackingError
-
-    try:
-        find_version(config, run_id, version)
-    except VersionNotFound as err:
-        return fail(err)
-    except (TrackingError, RegistryError) as err:
-        return fail(err, code=1)
-    result = evaluate(config, run_id=run_id, version=version)
-    print(format_eval_result(result))
-    return 0
-
-
-def format_eval_result(result: dict[str, Any]) -> str:
-    """A short two-column table for the terminal."""
-    rows = [
-        ("run", result["run_id"]),
-        ("policy version", str(result["policy_version"])),
-        ("model version", f"{result['model_version']} of {result['registered_model']}"),
-        ("held-out reward", f"{result['eval/reward']:.4f}"),
-        ("pass@1", f"{result['eval/pass_at_1']:.4f}"),
-        *(
-            (f"pass@{key.removeprefix('eval/pass_at_')}", f"{value:.4f}")
-            for key, value in result.items()
-            if key.startswith("eval/pass_at_") and key != "eval/pass_at_1"
-        ),
-        (
-            "prompts x samples",
-            f"{int(result['eval/prompts'])} x {result['samples_per_prompt']}",
-        ),
-        ("response length", f"{result['eval/response_length_mean']:.1f} tokens (mean)"),
-        ("time", f"{result['eval/time_s']:.1f} s"),
-        ("MLflow run", result["mlflow_run_id"]),
-    ]
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
-
-
-# ---------------------------------------------------------------- sluice serve
-
-
-def run_serve(config: RunConfig) -> int:
-    """Serve the deployments from this process until interrupted."""
-    from prefect import serve
-    from prefect.settings import get_current_settings
-
-    from sluice.flows.deployments import build_deployments, next_steps
-
-    deployments = build_deployments(config)
-    settings = get_current_settings()
-    print(next_steps(deployments, settings.api.url, settings.ui_url), flush=True)
-    serve(*deployments, print_starting_message=False)
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ alias), run the `evaluate-version` task on it, and leave the result where people
   (its id travels on the model version), so an on-demand evaluation lands on the same
   curve as the ones made during training. A version registered without a run gets a new
   MLflow run in the config's experiment, named `{run}-eval-v{version}`.
-- Registry: `eval.reward` and `eval.pass_at_1` tags on the model version.
+- Registry: `sluice.eval.reward` and `sluice.eval.pass_at_1` tags on the model version.
 - Prefect: a table artifact (`policy-evaluation`) and a markdown summary on the flow run.
 
 Evaluating a version again logs a second point at the same step and overwrites its
@@ -33,6 +33,7 @@ from sluice.infra.tracking import (
     log_config,
     start_or_resume_run,
 )
+from sluice.infra.tracking_config import ui_command
 from sluice.tasks.run.paths import registered_model_name, run_registry
 
 TABLE_ARTIFACT_KEY = "policy-evaluation"
@@ -132,10 +133,9 @@ def summary_markdown(result: dict[str, Any], tracking_uri: str) -> str:
             f"samples each, mean response {result['eval/response_length_mean']:.1f} tokens, "
             f"{result['eval/time_s']:.1f} s",
             f"- model version {result['model_version']} of `{result['registered_model']}` "
-            "(tagged `eval.reward`, `eval.pass_at_1`)",
+            "(tagged `sluice.eval.reward`, `sluice.eval.pass_at_1`)",
             f"- checkpoint: `{result['checkpoint_uri']}`",
-            f"- MLflow run `{result['mlflow_run_id']}` "
-            f"(`mlflow ui --backend-store-uri {tracking_uri}`)",
+            f"- MLflow run `{result['mlflow_run_id']}` (`{ui_command(tracking_uri)}`)",
         ]
     )
 

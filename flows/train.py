@@ -21,6 +21,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from sluice.flows.cluster import check_placement_fits, role_runner
+from sluice.flows.promote import promote_final
 from sluice.flows.role_watch import (
     ROLE_TASK_NAMES,
     role_launcher,
@@ -146,4 +147,6 @@ def train(
                 futures["servers"] = serve_inference.submit(ray_servers.shipped, run_id, [])
             watch_progress(config, run_id, futures, started=started, placed=placed)
             role_results(futures)  # raises if a role failed after its retries
-    return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)
+    summary = publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)
+    promote_final(config, run_id)  # tracking.promote_final_to, when set
+    return summary

@@ -14,6 +14,7 @@ from typing import Any
 from prefect import flow
 
 from sluice.flows.cluster import role_runner
+from sluice.flows.promote import promote_final
 from sluice.flows.role_watch import (
     ROLE_TASK_NAMES,
     role_launcher,
@@ -72,4 +73,6 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
             )
             watch_progress(config, run_id, futures, started=started, placed=placed)
             role_results(futures)
-    return publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)
+    summary = publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id, sync=True)
+    promote_final(config, run_id)  # tracking.promote_final_to, when set
+    return summary

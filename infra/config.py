@@ -27,6 +27,7 @@ from sluice.infra.config_overrides import (
 from sluice.infra.problem_config import HumanEvalConfig, ReasoningGymConfig, check_verifier
 from sluice.infra.problem_config import Section as _Section
 from sluice.infra.run_modes import Mode, apply_mode, dotted_keys
+from sluice.infra.tracking_config import TrackingConfig
 from sluice.infra.trainer_config import (  # noqa: F401  (importable from here as before)
     AdvantageConfig,
     CorrectionConfig,
@@ -299,21 +300,6 @@ class StorageConfig(_Section):
         return value
 
 
-class TrackingConfig(_Section):
-    """MLflow: metrics, config and the checkpoint registry."""
-
-    uri: str = "sqlite:///.sluice/mlflow.db"
-    """MLflow tracking URI (sqlite file by default, or http://host:5000)."""
-    artifact_location: str | None = ".sluice/mlartifacts"
-    """Artifact root for a new experiment (None = server default)."""
-    experiment: str = "sluice"
-    """MLflow experiment name."""
-    registered_model: str = "sluice-policy"
-    """Registered model whose versions are the committed policy versions."""
-    alias: str = "latest"
-    """Alias that points at the newest committed policy version."""
-
-
 class RunConfig(BaseModel):
     """A whole Sluice run."""
 
@@ -479,7 +465,7 @@ def load_config(
         data = read_config_file(resolved)
     from_file = dotted_keys(data)
     for assignment in overrides:
-        apply_override(data, assignment)
+        apply_override(data, assignment, RunConfig)
     # A mode fills the keys it presets unless they were set at its own layer or later.
     set_keys = {a.partition("=")[0].strip() for a in overrides}
     apply_mode(data, set_keys if "mode" in set_keys else set_keys | from_file)

@@ -1,5 +1,6 @@
 """A config's nested dict before validation: read from a YAML file, then changed by
-`--set key.sub=value` overrides; and the one line a config that fails validation gets."""
+`--set key.sub=value` overrides (a name TRL or verl gives a knob is translated, with one
+line on stderr: infra/peer_names.py); and the one line a config that fails validation gets."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+from sluice.infra.peer_names import PeerNameError, peer_suggestion, resolve_peer_name, say_once
 
 
 class ConfigError(ValueError):
@@ -24,14 +27,32 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply one `key.sub=value` to a nested dict in place."""
+def apply_override(
+    data: dict[str, Any], assignment: str, schema: type[BaseModel] | None = None
+) -> None:
+    """Apply one `key.sub=value` to a nested dict in place. A TRL or verl name
+    (`learning_rate=1e-5`) sets its Sluice key and says so on stderr, once per name; one
+    whose meaning differs from Sluice's fails with a line saying how."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got '{assignment}'")
     key, _, raw = assignment.partition("=")
     key = key.strip()
     if not key:
         raise ConfigError(f"--set expects key=value, got '{assignment}'")
+    value = parse_value(raw)
+    try:
+        peer = resolve_peer_name(key, value, raw, data, schema)
+    except PeerNameError as err:
+        raise ConfigError(str(err)) from None
+    if peer is None:
+        _set(data, key, value)
+        return
+    for target, translated in peer.assignments:
+        _set(data, target, translated)
+    say_once(key, peer.notice)
+
+
+def _set(data: dict[str, Any], key: str, value: Any) -> None:
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
@@ -41,7 +62,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"cannot set '{key}': '{part}' is a value, not a section")
         node = child
-    node[parts[-1]] = parse_value(raw)
+    node[parts[-1]] = value
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -104,6 +125,9 @@ def _closest(key: str, model: type[BaseModel]) -> str:
         return f"; it was renamed to '{RENAMED_KEYS[key]}'"
     if key in REMOVED_KEYS:
         return f"; {REMOVED_KEYS[key]}"
+    peer = peer_suggestion(key)
+    if peer:
+        return peer
     valid = _valid_keys(model)
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not match:

@@ -18,9 +18,14 @@ Guarantees:
 
 Departures and choices:
 
-- MLflow 3 reserves the alias name ``latest`` (and ``v<digits>``); such a requested alias
-  is stored as ``sluice-<alias>`` (``mlflow_alias`` says which). Everything else in Sluice
-  keeps using the configured name.
+- The run's alias defaults to ``newest``, a name MLflow accepts as typed
+  (``models:/<run model>@newest``). MLflow reserves ``latest`` and ``v<digits>``; such a
+  configured alias is stored as ``sluice-<alias>`` (``mlflow_alias`` says which). Runs
+  written while the default was ``latest`` carry ``sluice-latest``. The two defaults
+  stand in for each other: where the configured one is absent, ``latest()`` reads the
+  other, and the next move of the alias sets the configured one and removes the other.
+- Evaluation results are tags ``sluice.eval.reward`` and ``sluice.eval.pass_at_<k>``
+  (``eval_tag``); the ``eval.*`` tags of versions scored before read as the same names.
 - ``commit`` checks presence and sizes against the manifest but, by default, does not
   re-read every byte to re-hash it: that would make each commit of a multi-GB checkpoint
   on S3 download it once more. Truncation (the real "not yet durable" failure) is caught
@@ -44,6 +49,7 @@ from pydantic import BaseModel, ConfigDict
 from sluice.infra.checkpoints import canonical_url, verify_checkpoint
 from sluice.infra.failpoints import failpoint
 from sluice.infra.tracking import get_client
+from sluice.infra.tracking_config import DEFAULT_ALIAS, MLFLOW_RESERVED_ALIAS
 
 TAG_POLICY_VERSION = "sluice.policy_version"
 TAG_TRAINER_STEP = "sluice.trainer_step"
@@ -57,9 +63,15 @@ checkpoint through retention (an alias on the version does the same)."""
 RESERVED_TAGS = frozenset(
     {TAG_POLICY_VERSION, TAG_TRAINER_STEP, TAG_RUN_ID, TAG_CHECKPOINT_DIGEST, TAG_DELETED}
 )
+TAG_EVAL_PREFIX = "sluice.eval."
+TAG_EVAL_REWARD = "sluice.eval.reward"
+"""Mean held-out reward of a version, set by the evaluate role once it scored it."""
+LEGACY_ALIAS = "sluice-latest"
+"""The run's alias as stored while the default alias was ``latest`` (MLflow reserves it)."""
+_DEFAULT_ALIASES = (DEFAULT_ALIAS, LEGACY_ALIAS)
 
+_LEGACY_EVAL_TAG = re.compile(r"^eval\.(reward|pass_at_\d+)$")
 _ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
-_MLFLOW_RESERVED_ALIAS = re.compile(r"^(latest|[vV]\d+)$", re.IGNORECASE)
 # Far above any run's version count, far below MLflow's 200k page cap.
 _PAGE_SIZE = 1000
 
@@ -105,8 +117,17 @@ class CommittedVersion(BaseModel):
         return self.tags.get(TAG_KEEP, "").strip().lower() in ("true", "1", "yes")
 
 
+def eval_tag(name: str) -> str:
+    """The model-version tag of evaluation result `name`: 'reward' -> 'sluice.eval.reward'."""
+    return f"{TAG_EVAL_PREFIX}{name}"
+
+
 def _as_committed(version: ModelVersion) -> CommittedVersion | None:
     tags = dict(version.tags or {})
+    for key, value in list(tags.items()):
+        # Versions scored before the `sluice.` namespace carry `eval.reward` etc.
+        if _LEGACY_EVAL_TAG.match(key):
+            tags.setdefault(f"sluice.{key}", value)
     raw = tags.get(TAG_POLICY_VERSION)
     if raw is None:
         return None  # a version registered by hand, not by Sluice: ignore it
@@ -140,7 +161,7 @@ class CheckpointRegistry:
         self,
         tracking_uri: str,
         model_name: str,
-        alias: str = "latest",
+        alias: str = DEFAULT_ALIAS,
         *,
         verify_hashes: bool = False,
         storage_options: Mapping[str, Any] | None = None,
@@ -161,7 +182,11 @@ class CheckpointRegistry:
         self.tracking_uri = tracking_uri
         self.model_name = model_name
         self.alias = alias
-        self.mlflow_alias = f"sluice-{alias}" if _MLFLOW_RESERVED_ALIAS.match(alias) else alias
+        self.mlflow_alias = f"sluice-{alias}" if MLFLOW_RESERVED_ALIAS.match(alias) else alias
+        # A default name is read, while absent, through the other (module notes).
+        others = [a for a in _DEFAULT_ALIASES if a != self.mlflow_alias]
+        fallback = others if self.mlflow_alias in _DEFAULT_ALIASES else []
+        self._alias_reads = (self.mlflow_alias, *fallback)
         self.verify_hashes = verify_hashes
         self.storage_options = dict(storage_options or {})
         self._client = get_client(tracking_uri)
@@ -202,13 +227,17 @@ class CheckpointRegistry:
         return sorted(found, key=lambda v: int(v.version))
 
     def _move_alias_forward(self, committed: CommittedVersion) -> None:
-        current = self.latest()
+        current, read_from = self._aliased()
         if current is not None and current.policy_version >= committed.policy_version:
-            return
+            if read_from == self.mlflow_alias:
+                return
+            committed = current  # a run from before `newest`: adopt where its alias points
         with self._mlflow(f"moving alias {self.mlflow_alias!r}"):
             self._client.set_registered_model_alias(
                 self.model_name, self.mlflow_alias, str(committed.model_version)
             )
+            if read_from not in (None, self.mlflow_alias):  # set first: a poller finds one
+                self._client.delete_registered_model_alias(self.model_name, read_from)
 
     # ------------------------------------------------------------ writing
 
@@ -291,7 +320,7 @@ class CheckpointRegistry:
         return committed
 
     def set_tag(self, policy_version: int, key: str, value: Any) -> None:
-        """Tag a committed version (e.g. 'eval.pass_at_1' = 0.41 after evaluation)."""
+        """Tag a committed version (e.g. 'sluice.eval.pass_at_1' = 0.41 after evaluation)."""
         policy_version = _check_policy_version(policy_version)
         if key in RESERVED_TAGS:
             raise ValueError(f"tag {key!r} is set by the registry itself and cannot be changed")
@@ -356,18 +385,26 @@ class CheckpointRegistry:
         """The version the alias points at, or None before the first commit.
 
         One indexed lookup of the alias and its version: cheap enough to poll every
-        `poll_interval_s` from every rollout worker.
+        `poll_interval_s` from every rollout worker. With a default alias name, a run
+        written under the other default (`sluice-latest`) is read through that name.
         """
-        try:
-            version = self._client.get_model_version_by_alias(self.model_name, self.mlflow_alias)
-        except MlflowException as exc:
-            if exc.error_code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
-                return None  # alias not set yet
-            raise RegistryError(
-                f"reading alias {self.mlflow_alias!r} of {self.model_name!r} failed at "
-                f"{self.tracking_uri}: {exc.message}"
-            ) from exc
-        return _as_committed(version)
+        return self._aliased()[0]
+
+    def _aliased(self) -> tuple[CommittedVersion | None, str | None]:
+        """The version the alias points at and the alias it was read from (the configured
+        one, else the other default name), or (None, None)."""
+        for alias in self._alias_reads:
+            try:
+                version = self._client.get_model_version_by_alias(self.model_name, alias)
+            except MlflowException as exc:
+                if exc.error_code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
+                    continue  # alias not set (yet)
+                raise RegistryError(
+                    f"reading alias {alias!r} of {self.model_name!r} failed at "
+                    f"{self.tracking_uri}: {exc.message}"
+                ) from exc
+            return _as_committed(version), alias
+        return None, None
 
     def get(self, policy_version: int) -> CommittedVersion | None:
         """The committed version for `policy_version`, or None if it was never committed."""

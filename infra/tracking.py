@@ -12,6 +12,12 @@ silently land in a stray ``./mlruns`` of some working directory.
 Unreachable tracking servers fail fast with one ``TrackingUnavailable`` naming the URI
 (an HTTP server gets a short health probe before mlflow's own multi-minute retry loop can
 start). Local sqlite databases get their parent directory created.
+
+MLflow's UI as a trainer expects it: experiments are tagged ``mlflow.experimentKind =
+custom_model_development`` (the UI's "Machine learning" kind), and printed links open the
+machine-learning view (``?workflowType=machine_learning``: MLflow 3.17's UI picks its view
+from that or its remembered sidebar switch, else GenAI, where runs show as "evaluation
+runs"). ``ui_command`` (infra/tracking_config.py) starts the UI's web server alone, without MLflow 3's job runners.
 """
 
 from __future__ import annotations
@@ -46,6 +52,14 @@ _MAX_PARAM_VALUE_CHARS = 6000
 _RESUMABLE_STATUSES = ("RUNNING", "SCHEDULED", "FAILED", "KILLED")
 # Where `mlflow ui` listens unless told otherwise.
 _LOCAL_UI = "http://127.0.0.1:5000"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag MLflow's UI reads and writes for an experiment's kind."""
+EXPERIMENT_KIND = "custom_model_development"
+"""MLflow's "Machine learning" kind: runs are training runs, not GenAI evaluation runs."""
+# Kinds MLflow's UI shows in its machine-learning view: one a person chose is kept.
+_TRAINING_KINDS: tuple[str, ...] = (EXPERIMENT_KIND, "finetuning", "forecasting")
+_TRAINING_KINDS += ("classification", "regression", "automl", f"{EXPERIMENT_KIND}_inferred")
+_UI_VIEW = "workflowType=machine_learning"
 
 _clients: dict[str, MlflowClient] = {}
 _clients_lock = threading.Lock()
@@ -160,6 +174,13 @@ def _client_for(tracking_uri: str, run_id: str) -> MlflowClient:
 # ---------------------------------------------------------------- runs
 
 
+def _mark_training(client: MlflowClient, experiment_id: str, tags: Mapping[str, str]) -> None:
+    """Tag an experiment as model training, unless it already carries such a kind (an
+    experiment created before, or marked GenAI, gets the tag when Sluice next uses it)."""
+    if tags.get(EXPERIMENT_KIND_TAG) not in _TRAINING_KINDS:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+
+
 def _get_or_create_experiment(
     client: MlflowClient, tracking_uri: str, experiment: str, artifact_location: str | None
 ) -> str:
@@ -170,13 +191,20 @@ def _get_or_create_experiment(
                 f"MLflow experiment {experiment!r} at {tracking_uri} is deleted; restore it "
                 "or choose another experiment name"
             )
+        _mark_training(client, str(found.experiment_id), found.tags)
         return str(found.experiment_id)
     location = artifact_location
     if location and "://" not in location:
         # Relative artifact roots would resolve against each process's working directory.
         location = Path(location).resolve().as_uri()
     try:
-        return str(client.create_experiment(experiment, artifact_location=location))
+        return str(
+            client.create_experiment(
+                experiment,
+                artifact_location=location,
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
+            )
+        )
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -184,6 +212,7 @@ def _get_or_create_experiment(
         raced = client.get_experiment_by_name(experiment)
         if raced is None:
             raise
+        _mark_training(client, str(raced.experiment_id), raced.tags)
         return str(raced.experiment_id)
 
 
@@ -202,8 +231,9 @@ def start_or_resume_run(
     the newest unfinished (RUNNING, FAILED, KILLED) run named `run_name` in `experiment`
     is reopened, so a flow restarted after a crash keeps logging into the same run;
     otherwise a new run is created (and the experiment, with `artifact_location`, if
-    needed). Call this once per Sluice run, in the flow, and hand the id to the tasks:
-    two processes racing here with no run id could each create a run.
+    needed). The experiment is tagged as model training (module notes). Call this once
+    per Sluice run, in the flow, and hand the id to the tasks: two processes racing here
+    with no run id could each create a run.
     """
     if not experiment:
         raise ValueError("MLflow experiment name must be non-empty")
@@ -218,6 +248,8 @@ def start_or_resume_run(
                 raise TrackingError(
                     f"MLflow run {run_id!r} not found at {tracking_uri}: {exc.message}"
                 ) from exc
+            held_in = client.get_experiment(run.info.experiment_id)
+            _mark_training(client, str(held_in.experiment_id), held_in.tags)
         else:
             experiment_id = _get_or_create_experiment(
                 client, tracking_uri, experiment, artifact_location
@@ -256,14 +288,15 @@ def get_run_experiment_id(tracking_uri: str, run_id: str) -> str:
 
 
 def run_ui_url(tracking_uri: str, run_id: str) -> str:
-    """The MLflow UI page of `run_id`, under the experiment that actually holds it.
+    """The MLflow UI page of `run_id`, under the experiment that actually holds it, in
+    the UI's machine-learning view (module notes).
 
     An HTTP tracking server serves its own UI; for a local store (sqlite, files) the base
-    is where `mlflow ui --backend-store-uri <uri>` listens by default.
+    is where `ui_command` (infra/tracking_config.py) listens.
     """
     base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else _LOCAL_UI
     experiment_id = get_run_experiment_id(tracking_uri, run_id)
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{_UI_VIEW}"
 
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:

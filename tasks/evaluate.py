@@ -37,7 +37,13 @@ from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.evaluation import heldout_metrics
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
-from sluice.infra.registry import CheckpointRegistry, CommittedVersion, RegistryError
+from sluice.infra.registry import (
+    TAG_EVAL_REWARD,
+    CheckpointRegistry,
+    CommittedVersion,
+    RegistryError,
+    eval_tag,
+)
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
@@ -221,13 +227,17 @@ def record(
     metrics: dict[str, float],
 ) -> None:
     log_metrics(config.tracking.uri, mlflow_run_id, metrics, step=version.policy_version)
-    registry.set_tag(version.policy_version, "eval.pass_at_1", f"{metrics['eval/pass_at_1']:.4f}")
+    registry.set_tag(
+        version.policy_version, eval_tag("pass_at_1"), f"{metrics['eval/pass_at_1']:.4f}"
+    )
     for k in config.evaluation.pass_at_k:
         if k > 1:
             registry.set_tag(
-                version.policy_version, f"eval.pass_at_{k}", f"{metrics[f'eval/pass_at_{k}']:.4f}"
+                version.policy_version,
+                eval_tag(f"pass_at_{k}"),
+                f"{metrics[f'eval/pass_at_{k}']:.4f}",
             )
-    registry.set_tag(version.policy_version, "eval.reward", f"{metrics['eval/reward']:.4f}")
+    registry.set_tag(version.policy_version, TAG_EVAL_REWARD, f"{metrics['eval/reward']:.4f}")
 
 
 class EvaluateRole(Role):
@@ -244,9 +254,9 @@ class EvaluateRole(Role):
             os.nice(5)
         cfg, registry, control = self.config, self.registry, self.control
         done: dict[int, dict[str, Any]] = {
-            v.policy_version: {"eval/reward": float(v.tags["eval.reward"])}
+            v.policy_version: {"eval/reward": float(v.tags[TAG_EVAL_REWARD])}
             for v in registry.versions()
-            if "eval.reward" in v.tags
+            if TAG_EVAL_REWARD in v.tags
         }
         history = sorted((v, m["eval/reward"]) for v, m in done.items())
         while True:

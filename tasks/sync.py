@@ -29,11 +29,17 @@ from sluice.engines.rl.samples import (
 )
 from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from sluice.infra.config import RunConfig
-from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
+from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import fetch_reference, save_version, save_version_later
-from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer, reward_shaping
+from sluice.tasks.training import (
+    TrainingRole,
+    advantage_fn,
+    build_trainer,
+    reward_shaping,
+    staleness_counts,
+)
 
 SAMPLED_LENGTHS = 4096
 """How many of the newest (prompt, response) lengths the status keeps: the planner's workload."""
@@ -138,6 +144,7 @@ class SyncRole(TrainingRole):
                 table, advantages, policy_version=version, shape_rewards=shape_rewards
             )
             stats.update(staleness_stats(table, version))
+            stats.update(staleness_counts(table, version, cfg.staleness.max_staleness))
             metrics = trainer.train_step(samples) if samples else {}
             version += 1
             # The previous step's write, upload and commit had this step's generation and
@@ -184,7 +191,7 @@ class SyncRole(TrainingRole):
                 }
             )
             background.submit(
-                log_metrics, cfg.tracking.uri, self.mlflow_run_id, metrics, step=version
+                log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
             self.status.update(
                 state="running",

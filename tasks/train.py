@@ -43,9 +43,9 @@ from sluice.infra.failpoints import failpoint
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
-from sluice.infra.tracking import log_metrics
 from sluice.infra.weight_transfer import weight_transfer_path
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
+from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, write_json
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
@@ -58,7 +58,13 @@ from sluice.tasks.run.versions import (
     save_version_later,
 )
 from sluice.tasks.train_watchdog import StepWatch, stop_line
-from sluice.tasks.training import TrainingRole, advantage_fn, build_trainer, reward_shaping
+from sluice.tasks.training import (
+    TrainingRole,
+    advantage_fn,
+    build_trainer,
+    reward_shaping,
+    staleness_counts,
+)
 from sluice.tasks.weight_sender import SENDER_FILE, WeightSender
 
 log = logging.getLogger("sluice.train")
@@ -370,6 +376,7 @@ class TrainRole(TrainingRole):
                     shape_rewards=self.shape_rewards,
                 )
                 stats.update(staleness_stats(table, version))
+                stats.update(staleness_counts(table, version, cfg.staleness.max_staleness))
             stats["train/lost_groups"] = float(len(lost))
             if self.buffer.refill:  # the cost of keeping B informative groups per batch
                 extra_total += self.buffer.last_dropped
@@ -388,7 +395,7 @@ class TrainRole(TrainingRole):
             if verdict is not None and verdict.action == "stop":
                 stopped = {**metrics, **stats, **self.watch.step_metrics(firings)}
                 self.background.submit(
-                    log_metrics, cfg.tracking.uri, self.mlflow_run_id, stopped, step=version + 1
+                    log_step_metrics, cfg, self.run_id, self.mlflow_run_id, stopped, version + 1
                 )
                 self.stop_on_watchdog(verdict)
             if verdict is not None and table is not None:  # skip: the batch was left out
@@ -432,7 +439,7 @@ class TrainRole(TrainingRole):
                     metrics.get("loss/policy_loss", float("nan")),
                 )
             self.background.submit(
-                log_metrics, cfg.tracking.uri, self.mlflow_run_id, metrics, step=version
+                log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
             self.status.update(
                 state="running",

@@ -5,7 +5,11 @@ same trainer from the run config, start from the newest durable policy version (
 policy and trainer state, tasks/run/versions.py), commit each published version to the
 registry only once its checkpoint and trainer state are durable, apply retention after
 each commit (tasks/run/retention.py), and leave the same end state: the run's done
-marker once the last step is trained, and a final status document.
+marker once the last step is trained, and a final status document. The holder of the
+lease also samples the machine's system metrics into the MLflow run
+(`tracking.system_metrics_interval_s`), and both log each step's metrics the same way:
+to MLflow and to the run's `metrics.jsonl` (tasks/run/metrics_file.py), with the
+batch's samples counted by staleness (`staleness_counts`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from sluice.engines.policy.adapter import is_adapter_dir
 from sluice.engines.rl.advantages import AdvantageFn, make_advantage_fn
@@ -24,6 +30,7 @@ from sluice.infra.checkpoints import save_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.lease import StorageLease
 from sluice.infra.registry import CommittedVersion
+from sluice.infra.system_metrics import SystemMetrics, start_system_metrics
 from sluice.tasks.process.following_ranks import join, start_following_ranks
 from sluice.tasks.process.trainer_factory import build_rank_trainer
 from sluice.tasks.role import Role
@@ -36,6 +43,9 @@ from sluice.tasks.run.versions import (
     write_base_reference,
     write_consumed,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def build_trainer(
@@ -82,6 +92,23 @@ def advantage_fn(config: RunConfig) -> AdvantageFn:
     return make_advantage_fn(**config.trainer.advantage.model_dump())
 
 
+def staleness_counts(table: pa.Table, policy_version: int, max_staleness: int) -> dict[str, float]:
+    """The batch's samples by lag: `staleness/count_lag_{k}` for k = 0 .. max(eta, largest lag).
+
+    A sample's lag is counted as `staleness/mean` counts it: the versions between the
+    weights being updated (`policy_version`) and the version that generated its first
+    token (`version_start`). Every bucket up to eta is logged, zeros too, so each is a
+    whole series and the counts sum to the batch's samples; a lag past eta (a run
+    resumed with a smaller eta) gets buckets of its own rather than being hidden.
+    """
+    start = table.column("version_start").to_numpy(zero_copy_only=False).astype(np.int64)
+    # A negative lag (a sample newer than the weights it trains) cannot happen; it would
+    # show in `staleness/min`, and counting it as on-policy keeps the sum whole.
+    lag = np.clip(policy_version - start, 0, None)
+    counts = np.bincount(lag, minlength=max_staleness + 1)
+    return {f"staleness/count_lag_{k}": float(n) for k, n in enumerate(counts)}
+
+
 TRAINER_LEASE = "trainer.lease.json"
 """Control-dir document of the run's trainer lease."""
 LEASE_TTL_S = 60.0
@@ -97,6 +124,7 @@ class TrainingRole(Role):
     """Appended to the done marker's reason ("trained N steps{note}")."""
 
     lease: StorageLease | None = None
+    system_metrics: SystemMetrics | None = None
     _retention: Retention | None = None
     _base_reference: dict[str, Any] | None = None
     last_commit_s: float | None = None
@@ -105,14 +133,22 @@ class TrainingRole(Role):
 
     def claim_run(self) -> None:
         """Hold the run's trainer lease (`LeaseHeld` if a live trainer has it), renewed
-        in the background until the role ends."""
+        in the background until the role ends; and, with it, sample the machine's system
+        metrics into the MLflow run (one trainer a run, so one monitor a run)."""
         fs, path = filesystem(self.config, f"{self.paths.control}/{TRAINER_LEASE}")
         self.lease = StorageLease(
             fs, path, what=f"the trainer lease of run {self.run_id}", ttl_s=LEASE_TTL_S
         )
         self.lease.acquire()
+        tracking = self.config.tracking
+        self.system_metrics = start_system_metrics(
+            tracking.uri, self.mlflow_run_id, tracking.system_metrics_interval_s
+        )
 
     def close(self) -> None:
+        if self.system_metrics is not None:
+            self.system_metrics.stop()
+            self.system_metrics = None
         if self.lease is not None:
             self.lease.release()
             self.lease = None

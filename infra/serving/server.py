@@ -11,7 +11,8 @@ current version + 1; there is no streaming, no stop strings, no penalties or
 constrained decoding (asking for them is a 400, not a silent no-op); with
 ``n > 1`` and a ``sampling_seed`` sample j uses seed ``sampling_seed + j``.
 An unknown sampling key is a 400 whose body, like SGLang's contract check,
-is ``{"error": "unknown field `key`, expected one of ..."}``.
+is ``{"error": "unknown field `key`, expected one of ..."}``. ``/metrics`` (Prometheus
+text, ``server_metrics``) is always on, where SGLang needs ``--enable-metrics``.
 
 Run: ``python -m sluice.infra.serving.server --model DIR --port N``.
 """
@@ -25,7 +26,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -40,6 +41,12 @@ from sluice.infra.serving.request_parsing import (
     json_body,
     parse_generate_body,
     parse_update_version,
+)
+from sluice.infra.serving.server_metrics import (
+    CONTENT_TYPE,
+    METRICS_ROUTE,
+    RecordingEngine,
+    ServingMetrics,
 )
 from sluice.infra.serving.weight_routes import add_weight_routes
 
@@ -78,6 +85,9 @@ def create_app(
         served_model_name=served_model_name or engine.model_dir,
         tokenizer_path=engine.model_dir if tokenizer is not None else "",
     )
+    metrics = ServingMetrics(engine, state.served_model_name)
+    # What the update routes call: the engine, with each applied update also counted.
+    updates = cast("InferenceEngine", RecordingEngine(engine, metrics))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -158,12 +168,14 @@ def create_app(
             listed = ", ".join(repr(m) for m in protocol.PAUSE_MODES)
             raise BadRequestError(f"mode must be one of {listed}, got {mode!r}")
         await asyncio.to_thread(engine.pause, mode)
+        metrics.paused()
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post(protocol.CONTINUE_GENERATION)
     async def continue_generation(request: Request) -> JSONResponse:
         await json_body(request, allow_empty=True)
         await asyncio.to_thread(engine.continue_generation)
+        metrics.continued()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post(protocol.UPDATE_WEIGHTS_FROM_DISK)
@@ -187,7 +199,7 @@ def create_app(
         version = parse_update_version(body.get("weight_version"), engine.weight_version)
         try:
             report = await asyncio.to_thread(
-                engine.update_weights_from_disk, model_path, version, abort_all_requests=abort_all
+                updates.update_weights_from_disk, model_path, version, abort_all_requests=abort_all
             )
         except (WeightLoadError, ValueError, RuntimeError) as exc:
             failed = protocol.UpdateWeightsAnswer(
@@ -272,8 +284,12 @@ def create_app(
     async def get_weight_version() -> JSONResponse:
         return JSONResponse({"weight_version": protocol.version_label(engine.weight_version)})
 
-    add_adapter_routes(app, engine, state.adapters)
-    add_weight_routes(app, engine, weight_group_timeout_s)
+    @app.get(METRICS_ROUTE)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    add_adapter_routes(app, updates, state.adapters)
+    add_weight_routes(app, updates, weight_group_timeout_s)
 
     @app.get(protocol.HEALTH)
     @app.get(protocol.HEALTH_GENERATE)

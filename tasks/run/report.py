@@ -3,7 +3,9 @@
 MLflow gets one PNG (`plots/reward_curve.png`): training-batch reward, held-out reward
 and held-out greedy accuracy against policy version, and beside it the same against
 wall-clock seconds, which is how an asynchronous and a synchronous run of the same
-config are compared. Prefect gets
+config are compared; and `plots/staleness_histogram.png`: how many of the run's trained
+samples were generated 0, 1, ... eta versions behind the weights they trained (the sum
+of the per-step `staleness/count_lag_{k}` counts). Prefect gets
 a markdown summary artifact and a table artifact with the held-out result of every
 evaluated policy version.
 """
@@ -20,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
+from sluice.infra.registry import TAG_EVAL_REWARD, eval_tag
 from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import (
     end_run,
@@ -28,11 +31,13 @@ from sluice.infra.tracking import (
     log_figure_png,
     run_ui_url,
 )
+from sluice.infra.tracking_config import ui_command
 from sluice.tasks.run.paths import registered_model_name, run_paths, run_registry
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import role_threads
 
 REWARD_CURVE_ARTIFACT = "plots/reward_curve.png"
+STALENESS_HISTOGRAM_ARTIFACT = "plots/staleness_histogram.png"
 
 Curve = Sequence[tuple[float, float]]
 
@@ -136,6 +141,84 @@ def log_reward_curves(config: RunConfig, run_id: str, mlflow_run_id: str) -> str
     )
     log_figure_png(uri, mlflow_run_id, png, REWARD_CURVE_ARTIFACT)
     return REWARD_CURVE_ARTIFACT
+
+
+def lag_distribution(uri: str, mlflow_run_id: str, max_staleness: int) -> list[int]:
+    """Trained samples at each lag 0, 1, ... over the whole run, from the per-step counts.
+
+    A step logged twice (retrained after a resume) counts once, as last logged. Buckets
+    run to eta, and past it as far as a step logged any (they are logged contiguously).
+    """
+    counts: list[int] = []
+    lag = 0
+    while True:
+        timeline = get_metric_timeline(uri, mlflow_run_id, f"staleness/count_lag_{lag}")
+        if not timeline and lag > max_staleness:
+            return counts
+        # Ordered by step, then time: the latest logging of each step wins.
+        per_step = {step: value for step, value, _ in timeline}
+        counts.append(round(sum(per_step.values())))
+        lag += 1
+
+
+def staleness_histogram_png(counts: Sequence[int], max_staleness: int, title: str) -> bytes:
+    """PNG bytes: a bar of trained samples per lag, each labelled with its share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    total = sum(counts)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lags = list(range(len(counts)))
+    bars = ax.bar(lags, counts, color="tab:blue")
+    for bar, n in zip(bars, counts, strict=True):
+        if total and n:
+            ax.annotate(
+                f"{100 * n / total:.0f}%",
+                (bar.get_x() + bar.get_width() / 2, n),
+                ha="center",
+                va="bottom",
+            )
+    ax.axvline(
+        max_staleness + 0.5, color="tab:red", linestyle="--", label=f"bound η = {max_staleness}"
+    )
+    ax.set_xticks(lags)
+    ax.set_xlim(-0.6, max(len(counts) - 1, max_staleness) + 1)
+    ax.set_ylim(0, max(1, max(counts, default=0)) * 1.15)  # room for the shares
+    ax.set_xlabel("lag: versions behind the weights trained (policy version − version_start)")
+    ax.set_ylabel("trained samples")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(title)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def log_staleness_histogram(
+    config: RunConfig, run_id: str, mlflow_run_id: str
+) -> tuple[str | None, list[int]]:
+    """Plot the run's lag distribution from MLflow, log the PNG; return its path (None
+    when the run trained no sample) and the counts per lag."""
+    eta = config.staleness.max_staleness
+    counts = lag_distribution(config.tracking.uri, mlflow_run_id, eta)
+    if not sum(counts):
+        return None, counts
+    title = f"Sluice run {run_id}: {sum(counts)} trained samples by staleness"
+    png = staleness_histogram_png(counts, eta, title)
+    log_figure_png(config.tracking.uri, mlflow_run_id, png, STALENESS_HISTOGRAM_ARTIFACT)
+    return STALENESS_HISTOGRAM_ARTIFACT, counts
+
+
+def staleness_line(artifact: str | None, counts: Sequence[int]) -> str:
+    """The summary's line on the lag distribution."""
+    total = sum(counts)
+    if not total:
+        return "- staleness: no trained samples"
+    shares = ", ".join(f"lag {k} {100 * n / total:.0f}%" for k, n in enumerate(counts))
+    return f"- staleness of the {total} trained samples: {shares} (`{artifact}` in the MLflow run)"
 
 
 def _mean_after_warmup(history: list[tuple[int, float]], skip: int = 5) -> float | None:
@@ -285,18 +368,20 @@ def publish_summary(
     cfg = RunConfig.model_validate(config)
     result = summarise(cfg, run_id, mlflow_run_id, sync=sync)
     result["reward_curve_artifact"] = curves = log_reward_curves(cfg, run_id, mlflow_run_id)
+    histogram, lag_counts = log_staleness_histogram(cfg, run_id, mlflow_run_id)
+    result["staleness_histogram_artifact"], result["lag_counts"] = histogram, lag_counts
     registry = run_registry(cfg, run_id)
     rows = [
         {
             "policy_version": v.policy_version,
             "model_version": v.model_version,
-            "held_out_reward": v.tags.get("eval.reward", ""),
-            "pass_at_1": v.tags.get("eval.pass_at_1", ""),
+            "held_out_reward": v.tags.get(TAG_EVAL_REWARD, ""),
+            "pass_at_1": v.tags.get(eval_tag("pass_at_1"), ""),
             "staleness_mean": v.tags.get("staleness_mean", ""),
             "checkpoint_uri": v.checkpoint_uri,
         }
         for v in registry.versions()
-        if "eval.reward" in v.tags
+        if TAG_EVAL_REWARD in v.tags
     ]
     create_table_artifact(
         rows, key="policy-versions", description="Held-out results per policy version"
@@ -312,8 +397,9 @@ def publish_summary(
         f"- effective training throughput: {result.get('effective_tokens_per_s', float('nan')):.0f} trained tokens/s",
         watchdog_line(result["watchdog"]),
         f"- checkpoint: `{result['checkpoint_uri']}`",
-        f"- MLflow run: {result['mlflow_run_url']} (`mlflow ui --backend-store-uri {cfg.tracking.uri}`)",
+        f"- MLflow run: {result['mlflow_run_url']} (`{ui_command(cfg.tracking.uri)}`)",
         f"- reward curves: `{curves}` in the MLflow run",
+        staleness_line(histogram, lag_counts),
         *core_split_lines(result["core_split"]),
     ]
     create_markdown_artifact(

@@ -30,14 +30,15 @@ import logging
 
 from sluice.infra.checkpoints import canonical_url, delete_checkpoint, open_checkpoint_fs
 from sluice.infra.config import RunConfig
-from sluice.infra.registry import CheckpointRegistry, CommittedVersion
+from sluice.infra.registry import TAG_EVAL_REWARD, CheckpointRegistry, CommittedVersion
 from sluice.infra.storage import list_names
 from sluice.tasks.run.eval_schedule import should_evaluate
 from sluice.tasks.run.paths import START_FILE, RunPaths, read_json
 
 log = logging.getLogger("sluice.retention")
-EVALUATED_TAG = "eval.reward"
-"""The tag the evaluate role sets on a version once it is scored."""
+EVALUATED_TAG = TAG_EVAL_REWARD
+"""The tag the evaluate role sets on a version once it is scored (`eval.reward` on
+versions scored before the `sluice.` namespace reads as this one)."""
 
 
 def awaiting_evaluation(committed: list[CommittedVersion], config: RunConfig) -> set[int]:

@@ -44,8 +44,8 @@ def test_evaluate_flow_logs_tags_and_reports_a_committed_version(prefect_api, tm
     # Registry: the model version carries the same numbers, to 4 decimals.
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, RUN_ID))
     tags = registry.get(0).tags
-    assert float(tags["eval.reward"]) == round(result["eval/reward"], 4)
-    assert float(tags["eval.pass_at_1"]) == round(result["eval/pass_at_1"], 4)
+    assert float(tags["sluice.eval.reward"]) == round(result["eval/reward"], 4)
+    assert float(tags["sluice.eval.pass_at_1"]) == round(result["eval/pass_at_1"], 4)
 
     # Prefect: a table and a markdown summary on the flow run.
     artifacts = flow_run_artifacts(state.state_details.flow_run_id)

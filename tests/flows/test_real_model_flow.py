@@ -65,7 +65,7 @@ def test_smollm2_trains_on_reasoning_gym_with_its_chat_template_and_end_token(
 
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, "smol"))
     assert [v.policy_version for v in registry.versions()] == [0, 1, 2]
-    assert "eval.reward" in registry.get(2).tags  # the last version was scored held-out
+    assert "sluice.eval.reward" in registry.get(2).tags  # the last version was scored held-out
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -33,7 +33,7 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     assert versions == [0, 1, 2, 3]
     assert registry.latest().policy_version == 3
     assert registry.latest().checkpoint_uri.endswith("/flowtest/checkpoints/v000003")
-    assert "eval.reward" in registry.get(3).tags  # the final version was evaluated
+    assert "sluice.eval.reward" in registry.get(3).tags  # the final version was evaluated
 
     # Streams: every trained group came through rollouts -> scored, consumed once.
     committed_scored = StreamReader(

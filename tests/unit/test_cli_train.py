@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from sluice.flows.bench.async_vs_sync import (
     BENCH_DEFAULTS,
     VariantResult,
@@ -154,3 +156,78 @@ def test_s3_storage_nothing_answers_at_is_refused_with_one_line(tmp_path, capsys
     assert len(err) == 1, err
     assert "storage s3://bucket/runs cannot be used: nothing answered" in err[0]
     assert time.monotonic() - started < 60  # the probe's own deadline, not the run's retries
+
+
+def test_a_bare_key_value_after_the_command_works_as_set(tmp_path):
+    from sluice.flows.cli import parse
+
+    args, config = parse(["train", "reasoning_gym", "trainer.lr=1e-5", f"workdir={tmp_path}"])
+    assert args.config == "reasoning_gym" and config.name == "reasoning_gym"
+    assert config.trainer.lr == 1e-5 and config.workdir == str(tmp_path)
+
+
+def test_bare_settings_may_come_first_and_a_set_of_the_same_key_wins(tmp_path):
+    from sluice.flows.cli import parse
+
+    args, config = parse(
+        ["train", "trainer.lr=1e-5", "--sync", "reasoning_gym"]
+        + ["--set", "trainer.lr=2e-5", f"workdir={tmp_path}"]
+    )
+    assert args.sync and config.name == "reasoning_gym"
+    assert config.trainer.lr == 2e-5
+
+
+def test_a_bare_key_value_alone_keeps_the_default_config(tmp_path):
+    from sluice.flows.cli import parse
+
+    args, config = parse(["train", "trainer.total_steps=3", f"workdir={tmp_path}"])
+    assert args.config == "default" and config.name == "default"
+    assert config.trainer.total_steps == 3
+
+
+def test_two_config_names_are_refused_with_one_line(capsys):
+    code = main(["train", "reasoning_gym", "multiturn"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "two config names given, 'reasoning_gym' and 'multiturn'" in err[0]
+
+
+def test_an_unknown_option_is_still_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--nope"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --nope" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"sluice {version('sluice-rl')}"
+
+
+def test_eval_version_still_names_a_policy_version(tmp_path):
+    from sluice.flows.cli import parse
+
+    args, _ = parse(["eval", "--version", "3", f"workdir={tmp_path}"])
+    assert args.version == 3
+
+
+def test_the_start_of_a_run_says_where_to_look_while_it_runs(tmp_path, capsys):
+    from sluice.flows.cli_train import mlflow_ui_command, print_start
+
+    config = load_config("default", [f"workdir={tmp_path}"])
+    print_start(config, "default-20261127-090000-ab12")
+    out = capsys.readouterr().out
+    assert out.startswith("Starting run default-20261127-090000-ab12.")
+    assert "sluice status default-20261127-090000-ab12" in out
+    assert "sluice logs default-20261127-090000-ab12 -f" in out
+    assert f"{tmp_path}/runs/default-20261127-090000-ab12/logs/" in out
+    command = mlflow_ui_command(config.tracking.uri)
+    # The UI's web server alone (no job runners), one worker.
+    assert command.startswith("MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui ")
+    assert command.endswith("--workers 1") and config.tracking.uri in command
+    assert f"MLflow UI:   {command}" in out
+    assert "Prefect UI:" in out

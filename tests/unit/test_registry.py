@@ -30,11 +30,15 @@ from sluice.infra.checkpoints import (  # noqa: E402
     verify_checkpoint,
 )
 from sluice.infra.registry import (  # noqa: E402
+    TAG_EVAL_REWARD,
     CheckpointRegistry,
     PolicyVersionConflict,
     RegistryError,
+    eval_tag,
 )
 from sluice.infra.tracking import (  # noqa: E402
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
     TrackingError,
     TrackingUnavailable,
     end_run,
@@ -45,6 +49,7 @@ from sluice.infra.tracking import (  # noqa: E402
     log_config,
     log_figure_png,
     log_metrics,
+    run_ui_url,
     start_or_resume_run,
 )
 
@@ -200,12 +205,74 @@ def test_bad_commit_arguments_give_clear_errors(registry, tmp_path):
 
 def test_set_tag_annotates_a_committed_version(registry, tmp_path):
     registry.commit(1, committed_checkpoint(tmp_path, 1))
-    registry.set_tag(1, "eval.pass_at_1", 0.41)
-    assert registry.get(1).tags["eval.pass_at_1"] == "0.41"
+    registry.set_tag(1, eval_tag("pass_at_1"), 0.41)
+    assert registry.get(1).tags["sluice.eval.pass_at_1"] == "0.41"
     with pytest.raises(RegistryError, match="policy version 7 .* is not committed"):
-        registry.set_tag(7, "eval.pass_at_1", 0.1)
+        registry.set_tag(7, eval_tag("pass_at_1"), 0.1)
     with pytest.raises(ValueError, match="cannot be changed"):
         registry.set_tag(1, "sluice.policy_version", "5")
+
+
+def test_evaluation_tags_of_runs_scored_before_the_sluice_prefix_are_still_read(registry, tmp_path):
+    registry.commit(1, committed_checkpoint(tmp_path, 1))
+    registry.commit(2, committed_checkpoint(tmp_path, 2))
+    registry.set_tag(1, "eval.reward", "0.25")  # as the evaluate role tagged versions before
+    registry.set_tag(1, "eval.pass_at_4", "0.5")
+    registry.set_tag(2, "eval.reward", "0.1")
+    registry.set_tag(2, TAG_EVAL_REWARD, "0.3")  # scored again since: the new tag wins
+    old, rescored = registry.versions()
+    assert old.tags[TAG_EVAL_REWARD] == "0.25" and old.tags["eval.reward"] == "0.25"
+    assert old.tags[eval_tag("pass_at_4")] == "0.5"
+    assert rescored.tags[TAG_EVAL_REWARD] == "0.3"
+
+
+@pytest.fixture
+def mlflow_uri(tracking_uri):
+    """MLflow's own process-wide tracking URI, which `models:/` URIs resolve against (what a
+    user's script sets with `mlflow.set_tracking_uri`); restored afterwards."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(tracking_uri):
+        yield tracking_uri
+
+
+def checkpoint_files(uri: str) -> dict[str, bytes]:
+    root = Path(uri.removeprefix("file://"))
+    return {p.name: p.read_bytes() for p in root.iterdir()}
+
+
+def test_the_default_alias_resolves_as_typed_in_a_models_uri(registry, tmp_path, mlflow_uri):
+    import mlflow
+
+    registry.commit(1, committed_checkpoint(tmp_path, 1))
+    newest = registry.commit(2, committed_checkpoint(tmp_path, 2))
+    assert registry.alias == registry.mlflow_alias == "newest"
+    uri = f"models:/{registry.model_name}@newest"
+    path = mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "download"))
+    assert checkpoint_files(path) == checkpoint_files(newest.checkpoint_uri)
+
+
+def test_a_run_from_before_newest_still_resolves_through_sluice_latest(tracking_uri, tmp_path):
+    name = f"policy-{uuid.uuid4().hex[:8]}"
+    before = CheckpointRegistry(tracking_uri, name, alias="latest")  # the old default
+    assert before.mlflow_alias == "sluice-latest"
+    before.commit(1, committed_checkpoint(tmp_path, 1))
+
+    now = CheckpointRegistry(tracking_uri, name)  # opened under the new default
+    assert now.latest().policy_version == 1
+    assert now.aliased_versions() == {"sluice-latest": 1}
+    now.commit(2, committed_checkpoint(tmp_path, 2))
+    # The configured alias took over at the move, and the other went with it...
+    assert now.aliased_versions() == {"newest": 2}
+    assert now.latest().policy_version == 2
+    # ...while a reader with the run's old config still finds the newest version.
+    assert before.latest().policy_version == 2
+
+
+def test_a_custom_alias_is_never_read_through_the_default_names(registry, tmp_path):
+    registry.commit(1, committed_checkpoint(tmp_path, 1))
+    champion = CheckpointRegistry(registry.tracking_uri, registry.model_name, "champion")
+    assert champion.latest() is None
 
 
 def test_reserved_mlflow_alias_names_are_stored_under_a_prefix(tracking_uri):
@@ -278,6 +345,41 @@ def test_unreachable_tracking_server_gives_one_clear_error(tmp_path):
 
 
 # ---------------------------------------------------------------- tracking
+
+
+def test_experiments_are_marked_as_model_training_for_the_mlflow_ui(tracking_uri):
+    client = get_client(tracking_uri)
+    run_id = start_or_resume_run(tracking_uri, "exp-kind-new", "r")
+    experiment = client.get_experiment_by_name("exp-kind-new")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"
+    assert run_ui_url(tracking_uri, run_id).endswith(
+        f"/#/experiments/{experiment.experiment_id}/runs/{run_id}?workflowType=machine_learning"
+    )
+
+    # Made before Sluice tagged them, or marked GenAI: tagged when Sluice next uses them,
+    # by name or through a run resumed by id; a kind a person chose for training stays.
+    before = client.create_experiment("exp-kind-old")
+    genai = client.create_experiment(
+        "exp-kind-genai", tags={EXPERIMENT_KIND_TAG: "genai_development"}
+    )
+    chosen = client.create_experiment("exp-kind-chosen", tags={EXPERIMENT_KIND_TAG: "finetuning"})
+    start_or_resume_run(tracking_uri, "exp-kind-old", "r")
+    by_id = client.create_run(genai).info.run_id
+    start_or_resume_run(tracking_uri, "ignored", "r", run_id=by_id)
+    start_or_resume_run(tracking_uri, "exp-kind-chosen", "r")
+    kinds = [client.get_experiment(e).tags[EXPERIMENT_KIND_TAG] for e in (before, genai, chosen)]
+    assert kinds == [EXPERIMENT_KIND, EXPERIMENT_KIND, "finetuning"]
+
+
+def test_ui_command_starts_the_ui_without_job_runners():
+    from sluice.infra.tracking_config import ui_command
+
+    assert ui_command("sqlite:///.sluice/mlflow.db") == (
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui "
+        "--backend-store-uri sqlite:///.sluice/mlflow.db --workers 1"
+    )
+    assert "'sqlite:////tmp/my runs/mlflow.db'" in ui_command("sqlite:////tmp/my runs/mlflow.db")
+    assert ui_command("http://mlflow:5000/").startswith("http://mlflow:5000 ")
 
 
 def test_runs_resume_by_name_until_finished(tracking_uri):

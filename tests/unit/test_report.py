@@ -65,6 +65,7 @@ def test_run_url_names_the_runs_experiment(config):
 
     assert summary["mlflow_run_url"] == (
         f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{mlflow_run_id}"
+        "?workflowType=machine_learning"
     )
 
 
