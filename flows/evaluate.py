@@ -25,6 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from sluice.flows.run_claim import flow_run_name
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.tracking import (
@@ -140,7 +141,7 @@ def summary_markdown(result: dict[str, Any], tracking_uri: str) -> str:
     )
 
 
-@flow(name="sluice-evaluate", log_prints=True)
+@flow(name="sluice-evaluate", flow_run_name=flow_run_name, log_prints=True)
 def evaluate(
     config: RunConfig | None = None, *, run_id: str, version: int | None = None
 ) -> dict[str, Any]:

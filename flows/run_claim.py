@@ -24,6 +24,20 @@ CLAIM_SETTLE_S = 0.5
 """How long a new run waits before reading its claim back."""
 
 
+def flow_run_name() -> str:
+    """The Prefect flow run's name: the Sluice run id it was called with (so the Prefect
+    UI, the MLflow run and the run's folder share one name), else the config's name
+    and the time, where the flow picks the id itself."""
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    if parameters.get("run_id"):
+        return str(parameters["run_id"])
+    config = parameters.get("config")
+    name = config.get("name") if isinstance(config, dict) else getattr(config, "name", None)
+    return f"{name or 'sluice'}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+
+
 class RunIdTaken(RuntimeError):
     """A new run was asked for under a run id that already has files in storage."""
 

@@ -29,7 +29,12 @@ from sluice.flows.role_watch import (
     run_roles,
     watch_progress,
 )
-from sluice.flows.run_claim import claim_new_run, new_run_id, write_resolved_config
+from sluice.flows.run_claim import (
+    claim_new_run,
+    flow_run_name,
+    new_run_id,
+    write_resolved_config,
+)
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
@@ -70,7 +75,7 @@ def prepare_resume(config: RunConfig, run_id: str) -> str | None:
     return latest.run_id
 
 
-@flow(name="sluice-train", log_prints=True)
+@flow(name="sluice-train", flow_run_name=flow_run_name, log_prints=True)
 def train(
     config: RunConfig | None = None, run_id: str | None = None, resume: bool = False
 ) -> dict[str, Any]:

@@ -22,14 +22,19 @@ from sluice.flows.role_watch import (
     run_roles,
     watch_progress,
 )
-from sluice.flows.run_claim import claim_new_run, new_run_id, write_resolved_config
+from sluice.flows.run_claim import (
+    claim_new_run,
+    flow_run_name,
+    new_run_id,
+    write_resolved_config,
+)
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
 
 
-@flow(name="sluice-train-sync", log_prints=True)
+@flow(name="sluice-train-sync", flow_run_name=flow_run_name, log_prints=True)
 def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
     started = time.monotonic()

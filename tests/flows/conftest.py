@@ -56,3 +56,11 @@ def flow_run_artifacts(flow_run_id):
             )
 
     return asyncio.run(read())
+
+
+def flow_run_name_of(flow_run_id):
+    """The name Prefect's API holds for one flow run."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).name

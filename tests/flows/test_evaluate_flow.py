@@ -12,7 +12,7 @@ from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.tracking import get_client, get_metric_history, start_or_resume_run
 from sluice.tasks.run.paths import registered_model_name
 from sluice.tasks.run.prepare import ensure_version_zero
-from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
+from tests.flows.conftest import flow_run_artifacts, flow_run_name_of, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
 
@@ -47,7 +47,9 @@ def test_evaluate_flow_logs_tags_and_reports_a_committed_version(prefect_api, tm
     assert float(tags["sluice.eval.reward"]) == round(result["eval/reward"], 4)
     assert float(tags["sluice.eval.pass_at_1"]) == round(result["eval/pass_at_1"], 4)
 
-    # Prefect: a table and a markdown summary on the flow run.
+    # Prefect: the flow run is named after the Sluice run, and carries a table and a
+    # markdown summary.
+    assert flow_run_name_of(state.state_details.flow_run_id) == RUN_ID
     artifacts = flow_run_artifacts(state.state_details.flow_run_id)
     kinds = {a.key: a.type for a in artifacts}
     assert kinds.get(TABLE_ARTIFACT_KEY) == "table"
