@@ -88,6 +88,15 @@ class ModelConfig(_Section):
     """Stop the warm start once greedy held-out accuracy reaches this (leave RL room to climb)."""
 
 
+class CurriculumStage(_Section):
+    """One stage of a curriculum over problem size (`problem.curriculum`)."""
+
+    until_step: int = Field(ge=1)
+    """The stage holds for the prompts of training steps before this one: group n belongs to step n // `trainer.prompts_per_batch` (with dynamic sampling the groups run ahead of the steps, so a stage ends sooner in steps)."""
+    max_terms: int = Field(ge=1)
+    """Largest problem size (a row's `num_terms`: the built-in `longtail_sum`, reasoning-gym's `chain_sum` and `basic_arithmetic`) a training prompt of this stage may have; larger ones are drawn again."""
+
+
 class ProblemConfig(_Section):
     """What the policy is asked to solve."""
 
@@ -99,11 +108,18 @@ class ProblemConfig(_Section):
     """Tasks, mix, prompt instruction and answer format of `name: reasoning_gym` (docs/configuration.md)."""
     humaneval: HumanEvalConfig = HumanEvalConfig()
     """Extraction, instruction and held-out split of `name: humaneval` (docs/configuration.md)."""
+    curriculum: list[CurriculumStage] = []
+    """Training prompts from small problems first: stages in order of `until_step`, each capping the size of the training prompts drawn for its steps; after the last stage, the whole mix. The held-out prompts are always the whole mix. Empty = no curriculum. (verl and TRL leave curricula to the dataset; reasoning-gym ships per-task curricula of the same kind.)"""
 
     @model_validator(mode="after")
     def _reasoning_gym_tasks(self) -> ProblemConfig:
         if self.name == "reasoning_gym" and not self.dataset and not self.reasoning_gym.tasks:
             raise ValueError("problem.name=reasoning_gym needs problem.reasoning_gym.tasks")
+        steps = [stage.until_step for stage in self.curriculum]
+        if steps != sorted(set(steps)):
+            raise ValueError(
+                f"problem.curriculum: until_step must increase from stage to stage, got {steps}"
+            )
         return self
 
 

@@ -80,7 +80,8 @@ class PromptSource:
     With `max_prompt_tokens` set, a prompt that would leave the engine no room to
     generate is passed over for the next draw of the same group (seeded by the group and
     the draw, so a re-issued group gets the same prompt again); `skipped_too_long`
-    counts them.
+    counts them. A curriculum (`problem.curriculum`) passes over a prompt larger than its
+    stage allows the same way (`skipped_by_curriculum`).
     """
 
     def __init__(self, config: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None):
@@ -89,6 +90,7 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.max_prompt_tokens: int | None = None
         self.skipped_too_long = 0
+        self.skipped_by_curriculum = 0
         self.chat = False
         self.stop_token_ids: tuple[int, ...] = ()
 
@@ -126,13 +128,40 @@ class PromptSource:
         seed = [self.config.seed, index] if draw == 0 else [self.config.seed, index, draw]
         return self.problem.sample_prompts(1, np.random.default_rng(seed), "train")[0]
 
+    def max_terms(self, index: int) -> int | None:
+        """The curriculum's size cap for group `index` (None: the whole mix)."""
+        step = index // self.config.trainer.prompts_per_batch
+        for stage in self.config.problem.curriculum:
+            if step < stage.until_step:
+                return stage.max_terms
+        return None
+
     def train_prompt(self, index: int) -> tuple[dict[str, Any], list[int]]:
+        cap = self.max_terms(index)
+        too_big = 0
         for draw in range(MAX_DRAWS):
             row = self.train_row(index, draw)
+            if cap is not None:
+                size = row.get("num_terms")
+                if not isinstance(size, int):
+                    raise ValueError(
+                        "problem.curriculum caps a prompt's num_terms, and this problem's "
+                        "rows have none (longtail_sum, chain_sum and basic_arithmetic do)"
+                    )
+                if size > cap:
+                    too_big += 1
+                    self.skipped_by_curriculum += 1
+                    continue
             ids = self.encode_prompt(row)
             if self.max_prompt_tokens is None or len(ids) <= self.max_prompt_tokens:
                 return row, ids
             self.skipped_too_long += 1
+        if too_big == MAX_DRAWS:
+            raise ValueError(
+                f"group {index}: {MAX_DRAWS} prompts in a row have more than {cap} terms, "
+                "the cap of problem.curriculum's stage for this step; the problem's mix "
+                "has (almost) none that small"
+            )
         raise ValueError(
             f"group {index}: {MAX_DRAWS} prompts in a row are longer than "
             f"{self.max_prompt_tokens} tokens, the most the policy's context leaves room "

@@ -474,6 +474,7 @@ class RolloutRole(Role):
             groups_accepted=gate.accepted,
             groups_in_flight=gate.in_flight,
             prompts_skipped_too_long=self.prompts.skipped_too_long,
+            prompts_skipped_by_curriculum=self.prompts.skipped_by_curriculum,
             shaping_failures=self.shaping.failures,
             **self.stats.as_status(),
         )

@@ -235,3 +235,48 @@ def test_prompts_too_long_for_the_context_are_passed_over_the_same_way_every_tim
     hopeless.set_tokenizer(load_policy_tokenizer(tiny_dir), max_prompt_tokens=300)
     with pytest.raises(ValueError, match="group 0: 64 prompts in a row are longer than 300"):
         hopeless.train_prompt(0)
+
+
+def test_a_curriculum_caps_the_size_of_each_steps_prompts_and_then_opens_the_mix(
+    tmp_path, tiny_dir, local_run_config
+):
+    from sluice.infra.config import ConfigError
+    from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
+
+    # longtail_sum rows carry num_terms; B = 2 groups a step, so steps 0-2 are groups
+    # 0-5 (cap 2), steps 3-4 groups 6-9 (cap 3), and from step 5 (group 10) the mix.
+    stages = "[{until_step: 3, max_terms: 2}, {until_step: 5, max_terms: 3}]"
+    config = local_run_config(
+        tmp_path, "trainer.prompts_per_batch=2", f"problem.curriculum={stages}"
+    )
+    source = PromptSource(config)
+    source.set_tokenizer(load_policy_tokenizer(tiny_dir))
+    sizes = [source.train_prompt(index)[0]["num_terms"] for index in range(60)]
+    assert max(sizes[:6]) <= 2 and max(sizes[6:10]) <= 3
+    assert max(sizes[10:]) > 3  # the whole mix again
+    assert source.skipped_by_curriculum > 0
+    # The same groups get the same prompts again (a re-issued group asks the same).
+    again = PromptSource(config)
+    again.set_tokenizer(load_policy_tokenizer(tiny_dir))
+    assert [again.train_prompt(i)[0]["num_terms"] for i in range(60)] == sizes
+    # Held-out prompts are the whole mix from the start.
+    assert max(r["num_terms"] for r in source.eval_rows()) > 3
+
+    with pytest.raises(ConfigError, match="until_step must increase from stage to stage"):
+        local_run_config(
+            tmp_path,
+            "problem.curriculum=[{until_step: 5, max_terms: 2}, {until_step: 5, max_terms: 3}]",
+        )
+    rows = [{"prompt": "1+1?", "answer": "2"}]
+    path = _write_jsonl(tmp_path / "plain.jsonl", [json.dumps(r) for r in rows])
+    sizeless = PromptSource(
+        local_run_config(
+            tmp_path,
+            f"problem.dataset={path}",
+            f"evaluation.dataset={path}",
+            "problem.curriculum=[{until_step: 2, max_terms: 2}]",
+        )
+    )
+    sizeless.set_tokenizer(load_policy_tokenizer(tiny_dir))
+    with pytest.raises(ValueError, match="rows have none"):
+        sizeless.train_prompt(0)
