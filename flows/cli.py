@@ -314,7 +314,8 @@ def read_run(args: argparse.Namespace) -> int:
     beyond them. The run is looked for under the workdir of the defaults and --set."""
     try:
         where = load_config(None, args.overrides)
-        run_id, config = resolve_run(where, args.run, args.overrides)
+        purpose = "show" if args.command == "status" else "read logs of"
+        run_id, config = resolve_run(where, args.run, args.overrides, purpose)
     except ConfigError as err:
         return fail(err)
     run_dir = Path(where.workdir) / "runs" / run_id

@@ -146,7 +146,7 @@ def run_promote(args: argparse.Namespace) -> int:
 
     try:
         where = load_config(None, args.overrides)
-        run_id, config = resolve_run(where, args.run, args.overrides)
+        run_id, config = resolve_run(where, args.run, args.overrides, "promote from")
         promoted = promote(config, run_id, args.version, args.to)
     except (ConfigError, RegistryError, TrackingError, ValueError) as err:
         return fail(err)

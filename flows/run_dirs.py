@@ -8,14 +8,17 @@ from pathlib import Path
 from sluice.infra.config import ConfigError, RunConfig, load_config
 
 
-def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tuple[str, RunConfig]:
+def resolve_run(
+    config: RunConfig, run: str | None, overrides: list[str], purpose: str = "evaluate"
+) -> tuple[str, RunConfig]:
     """An earlier run (for `sluice eval` or `--resume`) and its own config, `--set` on top.
 
     `sluice train` saves each run's resolved config as {workdir}/runs/{run}/config.json.
     Evaluating with it, not with CONFIG, keeps storage and MLflow pointing where the run
     wrote its checkpoints and registry; CONFIG and --set only have to locate the workdir.
     No `run` means the run whose config was written last (a resume rewrites it).
-    Raises ConfigError with one line naming the run.
+    Raises ConfigError with one line naming the run (and, where there is none, what it
+    was wanted for: `purpose`).
     """
     runs_dir = Path(config.workdir) / "runs"
     saved = sorted(
@@ -24,7 +27,7 @@ def resolve_run(config: RunConfig, run: str | None, overrides: list[str]) -> tup
     if run is None:
         if not saved:
             raise ConfigError(
-                f"no runs to evaluate under {runs_dir} (none has a config.json); "
+                f"no runs to {purpose} under {runs_dir} (none has a config.json); "
                 "train one with 'sluice train' or point --set workdir=... at its workdir"
             )
         path = saved[-1]

@@ -191,6 +191,9 @@ def test_a_run_that_does_not_exist_gives_one_error_line_and_exit_2(failed_run, c
     code, lines = status_lines(capsys, "nope-123", "--set", f"workdir={config.workdir}")
     assert code == 2
     assert len(lines) == 1 and "run 'nope-123' not found" in lines[0] and run_id in lines[0]
+    # With no run at all, the line says what a run was wanted for.
+    code, lines = status_lines(capsys, "--set", f"workdir={config.workdir}/empty")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("sluice: error: no runs to show")
 
 
 def test_status_answers_within_a_second_without_prefect_mlflow_or_torch(failed_run):
