@@ -28,11 +28,24 @@ class SystemMetrics:
 
     def __init__(self, monitor: Any) -> None:
         self._monitor = monitor
+        # MLflow's monitor counts its published samples here (mlflow pinned in
+        # pyproject.toml); None where a release renames it: then no end sample.
+        self._first_step = getattr(monitor, "_logging_step", None)
 
     def stop(self) -> None:
-        if self._monitor is not None:
-            self._monitor.finish()
-            self._monitor = None
+        """End the thread; a run that ended inside its first interval (a sample is
+        published only after one) still gets one sample, taken now."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
+        monitor.finish()
+        if self._first_step is not None and monitor._logging_step == self._first_step:
+            try:
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())
+                monitor.mlflow_logger.flush()
+            except Exception as err:  # a metric of the machine never fails a run
+                logger.warning("system metrics: the end sample was not logged (%s)", err)
 
 
 def start_system_metrics(tracking_uri: str, run_id: str, interval_s: float) -> SystemMetrics | None:
