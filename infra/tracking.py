@@ -380,6 +380,22 @@ def log_config(
 # ---------------------------------------------------------------- metrics
 
 
+def loggable(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The metrics `log_metrics` stores, as floats: None, NaN and +-inf left out. A value
+    float() cannot read raises ValueError naming its key."""
+    numbers: dict[str, float] = {}
+    for key, value in metrics.items():
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {key!r} has a non-numeric value {value!r}") from None
+        if math.isfinite(number):
+            numbers[str(key)] = number
+    return numbers
+
+
 def log_metrics(
     tracking_uri: str,
     run_id: str,
@@ -399,17 +415,10 @@ def log_metrics(
         raise ValueError(f"metric step must be an int, got {step!r}")
     client = _client_for(tracking_uri, run_id)
     when = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
-    entries: list[Metric] = []
-    for key, value in metrics.items():
-        if value is None:
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"metric {key!r} has a non-numeric value {value!r}") from None
-        if not math.isfinite(number):
-            continue
-        entries.append(Metric(key=str(key), value=number, timestamp=when, step=step))
+    entries = [
+        Metric(key=key, value=number, timestamp=when, step=step)
+        for key, number in loggable(metrics).items()
+    ]
     for start in range(0, len(entries), _METRICS_PER_BATCH):
         chunk = entries[start : start + _METRICS_PER_BATCH]
         try:

@@ -16,14 +16,13 @@ Only the training role's per-step metrics go here: evaluations and system metric
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
-from sluice.infra.tracking import log_metrics
+from sluice.infra.tracking import log_metrics, loggable
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -31,22 +30,6 @@ METRICS_FILE = "metrics.jsonl"
 def metrics_file(config: RunConfig, run_id: str) -> Path:
     """Where the run's `metrics.jsonl` is: its local folder, beside `logs/`."""
     return Path(config.workdir) / "runs" / run_id / METRICS_FILE
-
-
-def loggable(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The metrics MLflow stores, as floats: None, NaN and +-inf left out (the rule of
-    `log_metrics`). A value float() cannot read raises ValueError naming its key."""
-    numbers: dict[str, float] = {}
-    for key, value in metrics.items():
-        if value is None:
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"metric {key!r} has a non-numeric value {value!r}") from None
-        if math.isfinite(number):
-            numbers[str(key)] = number
-    return numbers
 
 
 def append_step(path: Path, metrics: Mapping[str, float], step: int, time_s: float) -> None:

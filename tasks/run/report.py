@@ -42,6 +42,16 @@ STALENESS_HISTOGRAM_ARTIFACT = "plots/staleness_histogram.png"
 Curve = Sequence[tuple[float, float]]
 
 
+def figure_png(fig: Any) -> bytes:
+    """A matplotlib figure as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
 def reward_curve_png(
     train_reward: Curve,
     held_out: Curve,
@@ -86,10 +96,7 @@ def reward_curve_png(
         if train or evaluated:
             ax.legend()
     fig.suptitle(title)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return buffer.getvalue()
+    return figure_png(fig)
 
 
 def rewards_by_time(
@@ -191,10 +198,7 @@ def staleness_histogram_png(counts: Sequence[int], max_staleness: int, title: st
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(title)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return buffer.getvalue()
+    return figure_png(fig)
 
 
 def log_staleness_histogram(
