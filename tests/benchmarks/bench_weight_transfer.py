@@ -114,8 +114,9 @@ def transfer_part(
     from sluice.tasks.weight_sender import WeightSender
 
     trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    initial = {k: v.clone() for k, v in trainer.state_dict().items()}
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=trainer.device).manual_seed(0)
     rows: list[str] = []
     tokens: dict[tuple[str, int], list[int]] = {}
     http = httpx.Client(timeout=600)
@@ -125,8 +126,7 @@ def transfer_part(
         for dtype in dtypes:
             for path in PATHS:
                 # Every path starts from the same weights and nudges them the same way.
-                fresh = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-                trainer.load_state_dict(fresh.state_dict())
+                trainer.load_state_dict(initial)
                 generator.manual_seed(0)
                 process, url = start_server(model, dtype, root / f"{path}-{dtype}.log", device)
                 sender = WeightSender(
@@ -156,7 +156,10 @@ def transfer_part(
                                 "backend": backend,
                             },
                         )
+                        deadline = time.monotonic() + 150
                         while http.get(f"{sender_url}/groups/{GROUP}").json()["state"] == "forming":
+                            if time.monotonic() > deadline:
+                                raise SystemExit("the weight group did not form in 150 s")
                             time.sleep(0.01)
                         formed = time.perf_counter() - t0
                     stalls, served, moved = [], [], []
@@ -166,7 +169,7 @@ def transfer_part(
                                 p.add_(
                                     1e-3
                                     * p.abs().mean()
-                                    * torch.randn(p.shape, generator=generator).to(p.device)
+                                    * torch.randn(p.shape, generator=generator, device=p.device)
                                 )
                         checkpoint = root / f"ckpt-{path}-{dtype}-v{v}"
                         if path == "disk":
@@ -233,12 +236,21 @@ def transfer_part(
                         f"{statistics.median(served):.3f} | {statistics.mean(moved) / 1e6:.1f} | "
                         f"{formed:.2f} |"
                     )
-                    print(row, flush=True)
-                    rows.append(row)
+                except (Exception, SystemExit) as error:  # noqa: BLE001 - a row, not a stop
+                    # NCCL refuses two ranks on one GPU, for one: the row says why, and the
+                    # other paths still run.
+                    cause = " ".join(str(error).split())[:240]
+                    row = f"| {path} | {dtype} | failed: {type(error).__name__}: {cause} | | | |"
                 finally:
                     sender.stop()
                     process.terminate()
-                    process.wait(timeout=60)
+                    try:
+                        process.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        process.kill()
+                        process.wait()
+                print(row, flush=True)
+                rows.append(row)
     return rows
 
 
@@ -307,7 +319,7 @@ def run_extras(workdir: Path) -> tuple[float, dict[str, Any]]:
     return (statistics.mean(stalls) if stalls else float("nan")), rollout
 
 
-def synthetic_model(tokenizer_from: Path, billions: float) -> Path:
+def synthetic_model(tokenizer_from: Path, billions: float, device: str = "cpu") -> Path:
     """A random Llama of about `billions` x 1e9 parameters (hidden 2048, 16 heads, 4 key/
     value heads, MLP 5632; layers to reach the size), with `tokenizer_from`'s tokenizer."""
     import shutil
@@ -326,7 +338,8 @@ def synthetic_model(tokenizer_from: Path, billions: float) -> Path:
         max_position_embeddings=2048,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):  # random init of a billion weights: seconds on a GPU
+        model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (tokenizer_from / name).is_file():
@@ -364,7 +377,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model.resolve()
     if args.synthetic:
-        model = synthetic_model(model, args.synthetic)
+        model = synthetic_model(model, args.synthetic, args.device)
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
         f"model {model}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
