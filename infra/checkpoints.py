@@ -41,6 +41,7 @@ from sluice.infra.failpoints import failpoint
 from sluice.infra.storage import (
     TEMP_PREFIX,
     is_local,
+    link_file,
     open_filesystem,
     put_atomic,
     put_file,
@@ -315,15 +316,21 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 
 def _put_files(
-    fs: Any, root: str, files: list[tuple[str, Path]], stamps: list[tuple[int, int]]
+    fs: Any,
+    root: str,
+    files: list[tuple[str, Path]],
+    stamps: list[tuple[int, int]],
+    link: bool = False,
 ) -> None:
-    """Upload every file under `root`, each all or nothing, then check none changed.
+    """Upload every file under `root`, each all or nothing, then check none changed;
+    with `link`, hard-link each where the store allows it (`link_file`) instead.
 
     `stamps` are (size, mtime) taken before the files were hashed: a file written to
     while it was hashed or uploaded would not match its manifest entry.
     """
     for index, (rel, full) in enumerate(files):
-        put_file(fs, full, f"{root}/{rel}")
+        if not (link and link_file(fs, full, f"{root}/{rel}")):
+            put_file(fs, full, f"{root}/{rel}")
         if index == 0:
             failpoint("checkpoint.mid_upload")
     for (_rel, full), stamp in zip(files, stamps, strict=True):
@@ -363,6 +370,7 @@ def save_checkpoint(
     *,
     metadata: Mapping[str, Any] | None = None,
     replace: bool = False,
+    link: bool = False,
 ) -> str:
     """Upload the Hugging Face directory `local_dir` to `url`; return the canonical URL.
 
@@ -376,6 +384,11 @@ def save_checkpoint(
 
     The returned URL is absolute and protocol-qualified (``file:///abs/path``,
     ``s3://bucket/key``, ``memory:///key``), ready to be registered.
+
+    `link`: on a local disk, hard-link the files instead of copying them where the file
+    system allows it, for a `local_dir` that nothing rewrites in place afterwards (the
+    trainer's own versions: it writes each into a fresh folder). Halves the bytes a
+    version writes and skips reading them back.
     """
     source = Path(local_dir)
     fs, path = open_checkpoint_fs(url, storage_options)
@@ -410,7 +423,7 @@ def save_checkpoint(
             put_atomic(fs, f"{path}/{MANIFEST_NAME}", manifest_bytes)
         else:
             with staging_directory(Path(path)) as staging:
-                _put_files(fs, str(staging), files, stamps)
+                _put_files(fs, str(staging), files, stamps, link=link)
                 put_atomic(fs, f"{staging}/{MANIFEST_NAME}", manifest_bytes)
                 # Leftovers without a valid manifest, or a damaged copy of these same
                 # weights, are moved aside so the rename can land.

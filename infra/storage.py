@@ -115,6 +115,35 @@ def put_file(fs: fsspec.AbstractFileSystem, source: str | Path, path: str) -> No
         fs.pipe_file(path, Path(source).read_bytes())
 
 
+def link_file(fs: fsspec.AbstractFileSystem, source: str | Path, path: str) -> bool:
+    """``put_file`` without copying, on a local disk: a hard link to ``source``, made
+    durable (the source's bytes fsynced, then the link renamed in, then the directory
+    fsynced). False, and nothing written, where no link can be made (another file
+    system, another store); the caller copies then.
+
+    For sources nobody rewrites in place: the link shares their bytes. The trainer's
+    own freshly written versions qualify; a user's model folder does not.
+    """
+    if not is_local(fs):
+        return False
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}.part")
+    try:
+        os.link(source, temp)
+    except OSError:  # EXDEV (another file system), EPERM (no links there), ...
+        return False
+    try:
+        _fsync_file(os.fspath(source))
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_directory(directory)
+    return True
+
+
 def _write_local(path: str, write: Callable[[IO[bytes]], object]) -> None:
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)

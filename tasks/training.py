@@ -192,8 +192,10 @@ class TrainingRole(Role):
         started = time.monotonic()
         options = self.config.storage.options
         # Durable before the commit: a resume from this version reads them.
+        # The trainer wrote both folders fresh for this version and never rewrites them:
+        # on a local disk they are linked into storage, not copied.
         save_checkpoint(
-            saved.trainer_state, self.paths.trainer_state(version), options, replace=True
+            saved.trainer_state, self.paths.trainer_state(version), options, replace=True, link=True
         )
         if consumed is not None:
             write_consumed(self.config, self.paths, version, consumed, next_group)
@@ -202,7 +204,9 @@ class TrainingRole(Role):
                 self._base_reference = base_reference(self.config, self.registry)
             write_base_reference(saved.policy, self._base_reference)
             tags = {**tags, "lora.base_digest": self._base_reference["base_digest"]}
-        uri = save_checkpoint(saved.policy, self.paths.checkpoint(version), options, replace=True)
+        uri = save_checkpoint(
+            saved.policy, self.paths.checkpoint(version), options, replace=True, link=True
+        )
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
         )

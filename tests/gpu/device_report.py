@@ -17,7 +17,12 @@ reads them:
 - held-out reward and greedy accuracy at the first and last evaluated version: MLflow
   `eval/reward`, `eval/greedy_accuracy`;
 - peak GPU memory: the device script's `nvidia-smi` samples (MiB used on the GPU, all
-  processes), and the largest process.
+  processes), and the largest process;
+- where a trainer step goes (a second table, medians over the steps): MLflow
+  `train/step_time_s` (the optimizer work), `train/proximal_time_s`,
+  `train/publish_stall_s` (the trainer waiting to publish: the previous version's
+  durable write and commit, then the host copy), and on the background thread
+  `train/checkpoint_write_s` and `train/commit_s` (upload and registry commit).
 
     python tests/gpu/device_report.py --run async=DIR [--run sync=DIR] [--gpu async=FILE]
 """
@@ -26,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 NOTHING = "-"
+STEP_PARTS = ("step_time_s", "proximal_time_s", "publish_stall_s", "checkpoint_write_s", "commit_s")
 
 
 def run_figures(workdir: Path) -> dict[str, Any]:
@@ -85,6 +92,11 @@ def run_figures(workdir: Path) -> dict[str, Any]:
             role: s.get("peak_rss_mb") for role, s in statuses.items() if s.get("peak_rss_mb")
         },
         "pids": {int(s["pid"]): role for role, s in statuses.items() if s.get("pid")},
+        "step_parts": {
+            key: statistics.median(v for _, v in points) if points else None
+            for key in STEP_PARTS
+            for points in [history(f"train/{key}")]
+        },
     }
 
 
@@ -151,6 +163,19 @@ def table(rows: list[tuple[str, str, dict[str, Any], float | None, str]]) -> str
     return "\n".join(lines)
 
 
+def parts_table(rows: list[tuple[str, str, dict[str, Any], float | None, str]]) -> str:
+    lines = [
+        "| run | s/step (trainer wall) | " + " | ".join(STEP_PARTS) + " |",
+        "|---" * (2 + len(STEP_PARTS)) + "|",
+    ]
+    for label, _exit, f, _peak, _largest in rows:
+        parts = f.get("step_parts") or {}
+        per_step = f["wall_s"] / f["steps"] if f.get("wall_s") and f.get("steps") else None
+        cells = [number(parts.get(key), ".2f") for key in STEP_PARTS]
+        lines.append(f"| {label} | {number(per_step, '.2f')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def pairs(items: list[str]) -> dict[str, Path]:
     out = {}
     for item in items:
@@ -190,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print()
     print("\n".join(notes))
+    print("\nWhere a trainer step goes (medians, s):\n")
+    print(parts_table(rows))
     return 0
 
 

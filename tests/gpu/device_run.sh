@@ -76,7 +76,7 @@ finish() {  # on every exit: the last phase's time, the logs packed into $OUT
     phase ""
     mapfile -t items < <(cd "$STATE" && ls -d logs phases.txt gpu-*.txt runs/*/exit.txt \
         runs/*/.sluice/runs/*/logs runs/*/.sluice/runs/*/_status \
-        runs/*/.sluice/runs/*/config.json 2>/dev/null)
+        runs/*/.sluice/runs/*/config.json runs/*/.sluice/runs/*/metrics.jsonl 2>/dev/null)
     tar -czf "$OUT/logs.tar.gz" --ignore-failed-read -C "$STATE" "${items[@]}" 2>/dev/null || true
     echo "device run: exit $status after $(seconds_since "$STARTED") s (call $CALL, $MODE); files in $OUT"
 }

@@ -74,6 +74,27 @@ def test_save_to_local_disk_writes_files_and_a_manifest_that_verifies(hf_dir, tm
     assert [p.name for p in target.parent.iterdir()] == ["v000001"]
 
 
+def test_a_linked_save_shares_the_bytes_and_outlives_its_source(hf_dir, tmp_path):
+    """`link=True` (the trainer's own versions): each file is a hard link, not a copy; the
+    checkpoint verifies with hashes, and deleting the source folder (as the trainer does
+    with its older local copies) leaves it whole."""
+    expected = _tree_bytes(hf_dir)
+    url = save_checkpoint(hf_dir, f"file://{tmp_path}/store/v000001", link=True)
+    target = tmp_path / "store/v000001"
+    for name in expected:
+        assert (target / name).stat().st_ino == (hf_dir / name).stat().st_ino, name
+    shutil.rmtree(hf_dir)
+    assert _tree_bytes(target) == expected
+    assert verify_checkpoint(url, check_hashes=True).digest
+    assert [p.name for p in target.parent.iterdir()] == ["v000001"]
+
+
+def test_a_linked_save_copies_where_no_link_can_be_made(hf_dir):
+    """An object store (and a local target on another file system) takes a copy."""
+    url = save_checkpoint(hf_dir, _memory_url(), link=True)
+    assert verify_checkpoint(url, check_hashes=True).digest
+
+
 def test_missing_manifest_is_incomplete(hf_dir, tmp_path):
     url = save_checkpoint(hf_dir, str(tmp_path / "ck"))
     (tmp_path / "ck" / MANIFEST_NAME).unlink()

@@ -25,6 +25,7 @@ from sluice.infra import storage
 from sluice.infra.storage import (
     TEMP_PREFIX,
     exists,
+    link_file,
     list_names,
     open_filesystem,
     put_atomic,
@@ -172,6 +173,34 @@ def test_put_file_on_an_object_store_reads_the_source_before_the_put(
         put_file(fs, source, f"{root}/weights.bin")
     monkeypatch.undo()
     assert not fs.exists(f"{root}/weights.bin")
+
+
+def test_link_file_links_replaces_and_declines_what_it_cannot_link(tmp_path: Path) -> None:
+    """A hard link on one local file system (replacing what was there, no temp left);
+    False and nothing written for an object store or another file system, so the caller
+    copies."""
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"new weights")
+    target = tmp_path / "store" / "weights.bin"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    local = fsspec.filesystem("file")
+    assert link_file(local, source, str(target)) is True
+    assert target.read_bytes() == b"new weights"
+    assert target.stat().st_ino == source.stat().st_ino
+    assert sorted(p.name for p in target.parent.iterdir()) == ["weights.bin"]
+
+    memory = MemoryFileSystem()
+    assert link_file(memory, source, f"/linked-{uuid.uuid4().hex}/w.bin") is False
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        return  # no second local file system here: the object store case stands alone
+    elsewhere = shm / f"sluice-link-{uuid.uuid4().hex}"
+    try:
+        assert link_file(local, source, str(elsewhere / "w.bin")) is False
+        assert list(elsewhere.iterdir()) == []  # the folder may be made; no file, no temp
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
 
 
 def test_stale_temps_are_swept_and_fresh_ones_spared(tmp_path: Path) -> None:
