@@ -54,6 +54,7 @@ from sluice.flows.planner.args import add_plan_parser
 from sluice.flows.promote import add_promote_parser, run_promote
 from sluice.flows.run_dirs import resolve_run
 from sluice.infra.config import ConfigError, RunConfig, load_config
+from sluice.infra.extras import check_extras
 
 QUIET_ENV = {
     "DO_NOT_TRACK": "true",
@@ -67,6 +68,8 @@ DISTRIBUTION = "sluice-rl"
 """The distribution `pip install` puts Sluice in (pyproject.toml's [project] name)."""
 RUN_READERS = ("status", "logs")
 """Commands that read a run's files and nothing else (no config of their own: RUN)."""
+STARTS_RUNS = ("train", "bench", "serve")
+"""Commands that run (or serve) their config, so it must find the extras it chooses."""
 
 
 def _quiet_environment() -> None:
@@ -238,6 +241,10 @@ def check_args(args: argparse.Namespace) -> tuple[argparse.Namespace, RunConfig]
                 )
             except lora.LoraError as err:
                 raise ConfigError(str(err)) from None
+    if args.command in STARTS_RUNS:
+        # Before the Ray probe and anything else a missing package would break: one line
+        # naming the extra, not an ImportError from a role process (infra/extras.py).
+        check_extras(config)
     if config.cluster.engine == "ray" and config.cluster.address and args.command == "train":
         # Before anything is created: ray.init itself waits minutes on a dead address.
         from sluice.flows.cluster import ClusterError, probe_address

@@ -36,6 +36,7 @@ from sluice.flows.run_claim import (
     write_resolved_config,
 )
 from sluice.infra.config import RunConfig, load_config
+from sluice.infra.extras import check_extras
 from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.process.servers import planned_servers, serve_inference
@@ -88,6 +89,7 @@ def train(
     """
     started = time.monotonic()
     config = config or load_config("default")
+    check_extras(config)  # a deployment run's config comes without the CLI's checks
     with role_launcher(config):  # the roles' imports, once, while this flow sets the run up
         logger = get_run_logger()
         if resume and not run_id:

@@ -29,6 +29,7 @@ from sluice.flows.run_claim import (
     write_resolved_config,
 )
 from sluice.infra.config import RunConfig, load_config
+from sluice.infra.extras import check_extras
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
@@ -39,6 +40,7 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
     """Synchronous colocated RL on the same config, for side-by-side comparison."""
     started = time.monotonic()
     config = config or load_config("default")
+    check_extras(config)  # a deployment run's config comes without the CLI's checks
     with role_launcher(config):  # the roles' imports, once, while this flow sets the run up
         if config.servers.launch != "embedded":
             raise ValueError(

@@ -39,6 +39,7 @@ from sluice.engines.env.sandbox import (
     runner_source,
 )
 from sluice.infra.docker_servers import api_timeout_s
+from sluice.infra.extras import missing_extra_message
 from sluice.infra.lease import pid_alive
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,12 @@ class DockerSandbox:
         and starts filling the pool (``pool_size`` 0: each run starts its container).
         ``memory_mb`` is the container's hard limit; each run's own ``memory_mb`` is its
         runner's address-space limit inside it."""
-        import docker
-
+        try:
+            import docker
+        except ImportError as exc:  # `auto` then takes the process sandbox, as without an engine
+            raise SandboxUnavailable(
+                missing_extra_message("reward.sandbox=docker", "docker")
+            ) from exc
         try:
             self.client = client or docker.from_env(timeout=api_timeout_s(API_TIMEOUT_S))
             self.client.ping()

@@ -136,8 +136,9 @@ class VerifierPool:
 def code_sandbox(config: RunConfig) -> Any:
     """The container sandbox the `code` verifier runs in, or None for the process one.
 
-    `reward.sandbox: auto` takes containers where an engine and the image answer and
-    says once why it does not otherwise; `docker` insists (``SandboxUnavailable``).
+    `reward.sandbox: auto` takes containers where the docker package (the `docker`
+    extra), an engine and the image are there, and says once why it does not otherwise;
+    `docker` insists (``SandboxUnavailable``; the CLI refuses it without the extra).
     """
     reward = config.reward
     if reward.verifier != "code" or reward.sandbox == "process":

@@ -73,6 +73,10 @@ def heldout_metrics(
     for at in sorted(set(pass_at) - {1}):  # pass@1 is above, as a plain mean
         passed = [pass_at_k(k, c, at) for c in correct_per_prompt]
         metrics[f"eval/pass_at_{at}"] = float(np.mean(passed))
+        for name, members in size_buckets(rows).items():
+            metrics[f"eval/pass_at_{at}_terms_{name}"] = float(
+                np.mean([passed[i] for i in members])
+            )
     if with_greedy:
         metrics["eval/greedy_accuracy"] = float(np.mean(greedy_correct))
     elif greedy_temperature:
@@ -80,21 +84,27 @@ def heldout_metrics(
     return metrics
 
 
+def size_buckets(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """The indices of `rows` in each non-empty size bucket, by the bucket's name (`2`,
+    `3-4`, `17_up`); {} unless every row carries a `num_terms` size."""
+    if not rows or any(not isinstance(r.get("num_terms"), int) for r in rows):
+        return {}
+    out: dict[str, list[int]] = {}
+    for low, high in SIZE_BUCKETS:
+        members = [i for i, row in enumerate(rows) if low <= row["num_terms"] <= high]
+        if members:
+            name = f"{low}" if low == high else f"{low}-{high}" if high < 1_000_000 else f"{low}_up"
+            out[name] = members
+    return out
+
+
 def reward_by_size(
     rows: Sequence[dict[str, Any]], rewards: Sequence[float], k: int
 ) -> dict[str, float]:
     """Held-out reward per size bucket, for rows that carry a `num_terms` size."""
-    out: dict[str, float] = {}
-    if not rows or any(not isinstance(r.get("num_terms"), int) for r in rows):
-        return out
-    for low, high in SIZE_BUCKETS:
-        chosen = [
-            rewards[i * k + j]
-            for i, row in enumerate(rows)
-            if low <= row["num_terms"] <= high
-            for j in range(k)
-        ]
-        if chosen:
-            name = f"{low}" if low == high else f"{low}-{high}" if high < 1_000_000 else f"{low}_up"
-            out[f"eval/reward_terms_{name}"] = float(np.mean(chosen))
-    return out
+    return {
+        f"eval/reward_terms_{name}": float(
+            np.mean([rewards[i * k + j] for i in members for j in range(k)])
+        )
+        for name, members in size_buckets(rows).items()
+    }

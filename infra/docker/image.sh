@@ -37,10 +37,14 @@ tree_digest() {
   LC_ALL=C sort -z | tar -c --null --no-recursion -T - --mtime=@0 --owner=0 --group=0 \
     --numeric-owner -f - | sha256sum
 }
-# The project's dependency list as pyproject.toml declares it (its other tables, pytest's
-# settings say, change nothing the dependency image holds).
+# The extras the containers use: Ray nodes (cluster) and the Docker work pool's worker
+# (docker). Megatron trains on the host only.
+IMAGE_EXTRAS=cluster,docker
+# The project's dependency list as pyproject.toml declares it, with its extras (its other
+# tables, pytest's settings say, change nothing the dependency image holds).
 dependency_list() {
-  python3 -c 'import json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p.get("requires-python")]))'
+  python3 -c 'import json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p.get("optional-dependencies"), p.get("requires-python")]))'
+  echo "$IMAGE_EXTRAS"
 }
 # Serve a wheelhouse on the host's loopback and build `$1` from context `$2` with the
 # build args that follow; the wheels reach the build as a URL, never as a layer.
@@ -73,12 +77,12 @@ case "$target" in
     else
       # The image's python is Debian's 3.11.2: async-timeout is a dependency there (a
       # marker on python_full_version) that the host's newer 3.11 does not download.
-      pip wheel -q -c requirements.lock -w "$context/wheelhouse" . "setuptools>=68" wheel \
+      pip wheel -q -c requirements.lock -w "$context/wheelhouse" ".[$IMAGE_EXTRAS]" "setuptools>=68" wheel \
         "async-timeout>=4.0.3" 2>&1 | { grep -v "^WARNING: Location" || true; }
       mkdir "$context/deps"
       cp infra/docker/slim-site-packages.sh "$context/deps/"
       build_with_wheels infra/docker/Dockerfile.deps "$context/deps" "$context/wheelhouse" \
-        --build-arg "DEPS=$deps" -t "$deps_image"
+        --build-arg "DEPS=$deps" --build-arg "EXTRAS=$IMAGE_EXTRAS" -t "$deps_image"
       echo "image.sh: built $deps_image ($deps)"
     fi
     # Markdown is left out of the digest: a README edit changes nothing the image runs.

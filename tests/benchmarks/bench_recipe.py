@@ -24,6 +24,12 @@ the report beside it).
         [--seeds 3] [--minutes 30] [--set KEY=VALUE ...] [--label NAME]
 
 A run takes ``--minutes`` plus ~1 minute of start-up and ~3 minutes of scoring.
+
+``--ceiling K`` trains nothing: it samples K responses per held-out prompt from the
+start policy at the rollout temperature and prints pass@1 and pass@K, overall and by
+term count. Group-relative RL mostly sharpens what the policy already samples, so
+pass@K of the start policy is a rough ceiling for the greedy accuracy a short run can
+reach (a prompt the policy never solves in K tries gives no gradient toward solving it).
 """
 
 from __future__ import annotations
@@ -245,6 +251,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--label", default="recipe", help="names the runs and the report")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", help="JSON of every row (default .sluice/bench/recipe-LABEL.json)")
+    parser.add_argument(
+        "--ceiling",
+        type=int,
+        default=0,
+        metavar="K",
+        help="train nothing: the start policy's pass@1 and pass@K at the rollout temperature",
+    )
     return parser.parse_args(argv)
 
 
@@ -279,6 +292,33 @@ def build_config(args: argparse.Namespace) -> tuple[Any, Any]:
     return config, scoring
 
 
+def print_ceiling(config: Any, k: int) -> None:
+    """The start policy's pass@1 and pass@k on the held-out prompts, by term count."""
+    from sluice.flows.bench.async_vs_sync import with_settings
+    from sluice.tasks.evaluate import evaluate_model_dir
+
+    sampling = with_settings(
+        config,
+        {
+            "seed": 0,
+            "evaluation.samples": k,
+            "evaluation.pass_at_k": [1, k],
+            "evaluation.greedy": False,
+            "evaluation.temperature": None,
+        },
+    )
+    started = time.monotonic()
+    metrics = evaluate_model_dir(sampling, Path(str(config.model.path)), 0)
+    print(
+        f"start policy `{config.model.path}`, {sampling.evaluation.num_prompts} held-out "
+        f"prompts x {k} samples at temperature {config.rollout.temperature} "
+        f"({time.monotonic() - started:.0f} s):"
+    )
+    for key, value in sorted(metrics.items()):
+        if key.startswith(("eval/pass_at_", "eval/reward")):
+            print(f"  {key.removeprefix('eval/')} {value:.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch
 
@@ -286,6 +326,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     config, scoring = build_config(args)
+    if args.ceiling:
+        print_ceiling(config, args.ceiling)
+        return
     tag = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = args.out or f".sluice/bench/recipe-{args.label}-{tag}.json"
     start = evaluate_model_dir(scoring, Path(str(config.model.path)), 0)

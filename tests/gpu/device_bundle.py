@@ -15,9 +15,9 @@ The lock names every carried wheel (version, file, sha256, size, Requires-Dist) 
 GGUF (sha256, size), so the CI test checks the plan and the dependencies offline
 (tests/unit/test_device_bundle.py). `build` fetches exactly what the lock names and
 stops on any difference. Versions are the ones requirements.lock pins for Python 3.11,
-except where that release has no cp312 wheel (`CP312_VERSIONS`); sdist-only packages are
-built into wheels with a local Python 3.12 (`pip wheel`), and the lock records them as
-built (their bytes differ per build, so only their metadata is checked).
+whose binary releases have cp312 wheels too; sdist-only packages are built into wheels
+with a local Python 3.12 (`pip wheel`), and the lock records them as built (their bytes
+differ per build, so only their metadata is checked).
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ PLATFORMS = [
     "manylinux2014_x86_64",
     *(f"manylinux_2_{n}_x86_64" for n in range(17, 37)),
 ]
-# Releases requirements.lock pins that have no cp312 wheel, and the release used instead.
-CP312_VERSIONS = {"orjson": "3.10.18"}
 # Device packages never carried as fallbacks: large and loosely pinned, or (peft: LoRA
 # runs only) not worth shadowing the device's own release for.
 NO_FALLBACK = {"numpy", "sympy", "torch", "transformers", "tokenizers", "safetensors", "peft"}
@@ -282,10 +280,10 @@ def lock_versions() -> dict[str, str]:
 
     pins = {}
     for line in (ROOT / "requirements.lock").read_text().splitlines():
-        name, sep, version = line.strip().partition("==")
+        name, sep, version = line.split("#", 1)[0].strip().partition("==")
         if sep:
             pins[canonicalize_name(name)] = version
-    return {**pins, **CP312_VERSIONS}
+    return pins
 
 
 def write_lock() -> dict:

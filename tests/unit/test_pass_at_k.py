@@ -68,6 +68,24 @@ def test_heldout_metrics_average_pass_at_k_over_prompts():
     assert "eval/pass_at_2" not in heldout_metrics(rows, rewards, lengths, 4, True, 1.0)
 
 
+def test_pass_at_k_is_also_split_by_problem_size():
+    # Three prompts x 2 samples, no greedy pass: a 2-term prompt with 1 of 2 correct, and
+    # two 3- and 4-term prompts with 0 and 2 correct.
+    rows = [{"num_terms": 2}, {"num_terms": 3}, {"num_terms": 4}]
+    rewards = [1.0, 0.0] + [0.0, 0.0] + [1.0, 1.0]
+    metrics = heldout_metrics(rows, rewards, [2] * 6, 2, False, 1.0, pass_at=[1, 2])
+    # pass@2 per prompt: 1 (one of two correct, k = n), 0, 1.
+    assert metrics["eval/pass_at_2"] == pytest.approx(2 / 3)
+    assert metrics["eval/pass_at_2_terms_2"] == 1.0
+    assert metrics["eval/pass_at_2_terms_3-4"] == 0.5  # (0 + 1) / 2
+    # The reward split stays the mean over every sample of the bucket's prompts.
+    assert metrics["eval/reward_terms_2"] == 0.5
+    assert metrics["eval/reward_terms_3-4"] == 0.5  # (0 + 0 + 1 + 1) / 4
+    # Rows without a size: no split at all.
+    plain = heldout_metrics([{}, {}, {}], rewards, [2] * 6, 2, False, 1.0, pass_at=[1, 2])
+    assert not [key for key in plain if "_terms_" in key]
+
+
 def test_sluice_eval_prints_each_pass_at_k():
     from sluice.flows.cli import format_eval_result
 
