@@ -126,34 +126,40 @@ def link_file(fs: fsspec.AbstractFileSystem, source: str | Path, path: str) -> b
     """
     if not is_local(fs):
         return False
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}.part")
+    directory, temp = _temp_beside(path)
     try:
         os.link(source, temp)
     except OSError:  # EXDEV (another file system), EPERM (no links there), ...
         return False
-    try:
-        _fsync_file(os.fspath(source))
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    fsync_directory(directory)
+    _rename_in(temp, path, directory, lambda: _fsync_file(os.fspath(source)))
     return True
 
 
 def _write_local(path: str, write: Callable[[IO[bytes]], object]) -> None:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}.part")
-    try:
+    directory, temp = _temp_beside(path)
+
+    def fill() -> None:
         with open(temp, "wb") as handle:
             write(handle)
             handle.flush()
             # Durable before visible: a power cut must not expose an empty file.
             os.fsync(handle.fileno())
+
+    _rename_in(temp, path, directory, fill)
+
+
+def _temp_beside(path: str) -> tuple[str, str]:
+    """(`path`'s directory, made if missing; a fresh hidden temp name in it)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    return directory, os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}.part")
+
+
+def _rename_in(temp: str, path: str, directory: str, prepare: Callable[[], None]) -> None:
+    """`prepare` (fill `temp`, or make its bytes durable), then rename it onto `path` and
+    fsync the directory; `temp` is removed if anything fails."""
+    try:
+        prepare()
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
