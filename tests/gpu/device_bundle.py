@@ -276,14 +276,14 @@ def gguf_file() -> Path:
 
 
 def lock_versions() -> dict[str, str]:
+    """requirements.lock's pins by normalized name."""
     from packaging.utils import canonicalize_name
 
-    pins = {}
-    for line in (ROOT / "requirements.lock").read_text().splitlines():
-        name, sep, version = line.split("#", 1)[0].strip().partition("==")
-        if sep:
-            pins[canonicalize_name(name)] = version
-    return pins
+    try:
+        from tests.gpu.gpu_lock import read_lock
+    except ImportError:  # run as a script: this folder is sys.path[0]
+        from gpu_lock import read_lock  # type: ignore[no-redef]
+    return {canonicalize_name(n): v for n, v in read_lock(ROOT / "requirements.lock").items()}
 
 
 def write_lock() -> dict:

@@ -29,15 +29,21 @@ HEADER = """\
 """
 
 
-def resolve(*constraints: str) -> dict[str, str]:
-    """name -> version of everything `.[sglang]` installs into an empty environment."""
+def pip_report(*args: str) -> list[dict]:
+    """The `install` list of `pip install --dry-run --ignore-installed --report` over `args`,
+    run from the repository's root (requirements.lock's tool uses it too)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
-        command += ["--quiet", "--report", str(report), *constraints, "-e", ".[sglang]"]
+        command += ["--quiet", "--report", str(report), *args]
         print("$", " ".join(command[2:]), flush=True)
         subprocess.run(command, cwd=ROOT, check=True)
-        installed = json.loads(report.read_text())["install"]
+        return list(json.loads(report.read_text())["install"])
+
+
+def resolve(*constraints: str) -> dict[str, str]:
+    """name -> version of everything `.[sglang]` installs into an empty environment."""
+    installed = pip_report(*constraints, "-e", ".[sglang]")
     return {
         item["metadata"]["name"]: item["metadata"]["version"]
         for item in installed
@@ -45,13 +51,23 @@ def resolve(*constraints: str) -> dict[str, str]:
     }
 
 
-def read_lock() -> dict[str, str]:
+def read_lock(path: Path = LOCK) -> dict[str, str]:
+    """A lock's pins, as written (names not normalized); comments are skipped."""
     pins = {}
-    for raw in LOCK.read_text().splitlines():
-        name, sep, version = raw.split("#", 1)[0].strip().partition("==")
-        if sep:
-            pins[name] = version
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            if not sep:
+                raise SystemExit(f"{path.name}: '{raw}' is not a name==version pin")
+            pins[name.strip()] = version.strip()
     return pins
+
+
+def write_lock(pins: dict[str, str], path: Path = LOCK, header: str = HEADER) -> None:
+    """`header`, then one `name==version` line a pin, sorted by name."""
+    lines = sorted((f"{name}=={version}" for name, version in pins.items()), key=str.lower)
+    path.write_text(header + "\n".join(lines) + "\n")
 
 
 def summary(pins: dict[str, str]) -> str:
@@ -66,8 +82,7 @@ def main(argv: list[str]) -> int:
         return 2
     if argv == ["write"]:
         pins = resolve()
-        lines = sorted((f"{name}=={version}" for name, version in pins.items()), key=str.lower)
-        LOCK.write_text(HEADER + "\n".join(lines) + "\n")
+        write_lock(pins)
         print(summary(pins))
         return 0
     pins, locked = resolve("-c", str(LOCK.relative_to(ROOT))), read_lock()

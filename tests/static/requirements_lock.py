@@ -21,13 +21,13 @@ Sluice's Requires-Dist reaches, and every locked package is installed at its pin
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements.lock"
@@ -47,15 +47,15 @@ HEADER = """\
 """
 
 
-def pip_report(*args: str) -> list[dict]:
-    """The `install` list of `pip install --dry-run --ignore-installed --report` over args."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
-        command += ["--quiet", "--report", str(report), *args]
-        print("$", " ".join(command[2:]), flush=True)
-        subprocess.run(command, cwd=ROOT, check=True)
-        return json.loads(report.read_text())["install"]
+def gpu_lock() -> Any:
+    """tests/gpu/gpu_lock.py, the GPU profile's lock tool: its resolver run and its lock
+    reader and writer serve this lock too."""
+    try:
+        from tests.gpu import gpu_lock as module
+    except ImportError:  # run as a script: tests/static is sys.path[0]
+        sys.path.insert(0, str(ROOT))
+        from tests.gpu import gpu_lock as module
+    return module
 
 
 def resolve(constraints: dict[str, str]) -> dict[str, str]:
@@ -64,13 +64,13 @@ def resolve(constraints: dict[str, str]) -> dict[str, str]:
         pinned = Path(tmp) / "constraints.txt"
         pinned.write_text("".join(f"{name}=={version}\n" for name, version in constraints.items()))
         try:
-            installed = pip_report("-c", str(pinned), "-e", f".[{EXTRA}]")
+            installed = gpu_lock().pip_report("-c", str(pinned), "-e", f".[{EXTRA}]")
         except subprocess.CalledProcessError:
             raise SystemExit(
                 "pip found no resolution under the lock: add --release NAME for the pins "
                 "its message names, so they may move"
             ) from None
-        installed += pip_report("--no-deps", *NO_DEPS)
+        installed += gpu_lock().pip_report("--no-deps", *NO_DEPS)
     # A local build (torch 2.13.0+cpu) is pinned by its public version, which PyPI has too.
     return {
         item["metadata"]["name"]: item["metadata"]["version"].split("+", 1)[0]
@@ -81,20 +81,11 @@ def resolve(constraints: dict[str, str]) -> dict[str, str]:
 
 def read_lock(path: Path = LOCK) -> dict[str, str]:
     """The lock's pins, as written (names not normalized)."""
-    pins = {}
-    for raw in path.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            name, sep, version = line.partition("==")
-            if not sep:
-                raise SystemExit(f"{path.name}: '{raw}' is not a name==version pin")
-            pins[name.strip()] = version.strip()
-    return pins
+    return dict(gpu_lock().read_lock(path))
 
 
 def write_lock(pins: dict[str, str], path: Path = LOCK) -> None:
-    lines = sorted((f"{name}=={version}" for name, version in pins.items()), key=str.lower)
-    path.write_text(HEADER + "\n".join(lines) + "\n")
+    gpu_lock().write_lock(pins, path, HEADER)
 
 
 def changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
