@@ -95,18 +95,20 @@ class FastWeights:
         (per server). FastPathFailed when the fast path cannot do it."""
         if self.given_up:
             raise FastPathFailed(f"the fast path failed {GIVE_UP_AFTER} versions in a row")
-        try:
-            moved = await self._load(client, version)
-        except FastPathFailed:
-            self.failures_in_a_row += 1
-            if self.given_up:
-                log.error(
-                    "the %s weight path failed %d versions in a row: every later version "
-                    "loads from disk", self.path, GIVE_UP_AFTER,
-                )  # fmt: skip
-            raise
+        moved = await self._load(client, version)
         self.failures_in_a_row = 0
         return moved
+
+    def count_failure(self) -> None:
+        """One more version in a row the fast path failed to deliver while the run goes
+        on. (A failure once the trainer is done and gone is not the path's: the caller
+        does not count it, or every run would end by giving the path up.)"""
+        self.failures_in_a_row += 1
+        if self.given_up:
+            log.error(
+                "the %s weight path failed %d versions in a row: every later version "
+                "loads from disk", self.path, GIVE_UP_AFTER,
+            )  # fmt: skip
 
     async def _load(self, client: InferenceClient, version: int) -> int:
         meta = await self._call("GET", f"/versions/{version}")

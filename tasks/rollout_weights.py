@@ -121,6 +121,7 @@ class ServedWeights:
                 if await asyncio.to_thread(self.run_over):  # the trainer is done and gone
                     log.info("policy version %d not loaded: the run is over (%s)", number, exc)
                     return False
+                self.fast.count_failure()
                 self.stats.weight_fallbacks += 1
                 log.warning("policy version %d loads from disk: %s", number, exc)
                 staged = await self.stage_files(version)

@@ -1,0 +1,89 @@
+"""The rollout role gives a fast weight path up after GIVE_UP_AFTER versions in a row it
+failed to deliver while the run went on, but not for the versions it cannot deliver
+once the trainer is done and gone: every run ends that way, and counting those gave
+the path up (and loaded the last version from disk, uncounted) at the end of every
+run. The sender here is a real HTTP address nobody listens on."""
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from sluice.infra.registry import CommittedVersion
+from sluice.infra.serving.client import InferenceClient
+from sluice.tasks.rollout_transfer import GIVE_UP_AFTER, FastPathFailed, FastWeights
+from sluice.tasks.rollout_weights import ServedWeights
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def version(number: int) -> CommittedVersion:
+    return CommittedVersion(
+        policy_version=number,
+        checkpoint_uri=f"file:///nowhere/v{number}",
+        model_version=number + 1,
+        trainer_step=number,
+        run_id=None,
+        checkpoint_digest=None,
+        created_at_ms=int(time.time() * 1000),
+        tags={},
+    )
+
+
+@pytest.fixture
+def fast(tmp_path, local_run_config):
+    config = local_run_config(tmp_path, "servers.weight_transfer=distributed")
+    weights = FastWeights(config, "r", "distributed", "gloo")
+    weights.sender_url = f"http://127.0.0.1:{closed_port()}"  # the trainer is gone
+    yield config, weights
+    asyncio.run(weights.aclose())
+
+
+def test_versions_the_gone_trainer_cannot_deliver_after_the_run_never_give_the_path_up(
+    tmp_path, fast
+):
+    config, path = fast
+    served = ServedWeights(config, tmp_path / "cache", run_over=lambda: True)
+    served.fast = path
+
+    async def updates() -> list[bool]:
+        client = InferenceClient([f"http://127.0.0.1:{closed_port()}"])
+        try:
+            return [await served.load(client, {}, version(v)) for v in range(1, 6)]
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(updates()) == [False] * 5  # not loaded, and not from disk either
+    assert not path.given_up
+    assert served.stats.weight_fallbacks == 0
+    assert served.stats.weight_bytes_moved == 0
+
+
+def test_failures_while_the_run_goes_on_give_the_path_up_after_the_bound(fast):
+    _, path = fast
+
+    async def attempts() -> list[str]:
+        client = InferenceClient([f"http://127.0.0.1:{closed_port()}"])
+        said = []
+        try:
+            for v in range(1, GIVE_UP_AFTER + 2):
+                try:
+                    await path.load(client, v)
+                except FastPathFailed as exc:
+                    said.append(str(exc))
+                    path.count_failure()  # what the rollout role does while the run goes on
+        finally:
+            await client.aclose()
+        return said
+
+    said = asyncio.run(attempts())
+    assert len(said) == GIVE_UP_AFTER + 1
+    assert "did not answer" in said[0]  # then: no sender published (it was forgotten)
+    assert all("weight sender" in s for s in said[:GIVE_UP_AFTER])
+    assert said[-1] == f"the fast path failed {GIVE_UP_AFTER} versions in a row"
+    assert path.given_up
