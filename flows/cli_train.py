@@ -100,6 +100,10 @@ def print_where_to_look(config: RunConfig, result: dict[str, Any]) -> None:
         f"  MLflow UI:   {mlflow_ui_command(config.tracking.uri)}   "
         f"(then open {result.get('mlflow_run_url', '')})"
     )
+    from sluice.tasks.run.report import failover_lines
+
+    for line in failover_lines(result.get("trainer_failovers", [])):
+        print(f"  {line[2:]}")
     if "reward_curve_artifact" in result:
         print(f"  curves:      {result['reward_curve_artifact']} in the MLflow run's artifacts")
     print(f"  Prefect UI:  {prefect_ui_line()}")

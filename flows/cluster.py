@@ -234,9 +234,8 @@ def check_placement_fits(config: RunConfig, role: str, offered: list[dict[str, f
 
 
 class TrainerNodeLost(RunStopped):
-    """The node running the train role was lost: its optimizer state since the last
-    commit is gone and split ranks cannot be re-formed in place, so the run stops, to be
-    continued with `--resume` from the newest committed version."""
+    """The node running the train role was lost once more than `role_retries` allows:
+    the run stops, to be continued with `--resume` from the newest committed version."""
 
     exit_code = 75
 
@@ -246,12 +245,16 @@ class RayRoles:
     the node (or worker) running one is lost.
 
     A lost node takes its role's process and task run with it; Prefect never hears
-    how that task ended. Rollout, reward and evaluate resume from their ledgers and
-    the registry wherever they start, so they are submitted again, at most
-    `role_retries` times each. The train role stops the run with one line instead.
+    how that task ended. Every role resumes from durable state wherever it starts, so
+    it is submitted again, at most `role_retries` times each: rollout, reward and
+    evaluate from their ledgers and the registry; the trainer (a failover) from the
+    newest committed version and its trainer state on storage, once the lost one's
+    trainer lease has expired (infra/lease.py), and its ranks in a new placement group.
+    What the trainer had trained since its last commit is trained again. Past the
+    bound the run stops with one line (the trainer's: resumable, exit code 75).
     """
 
-    RESUMABLE = ("rollout", "reward", "evaluate")
+    TRAINERS = ("train", "sync")
 
     def __init__(
         self,
@@ -275,6 +278,10 @@ class RayRoles:
         self.offered: list[dict[str, float]] = []
         """What each node of the cluster offered when the run joined it."""
         self.log = log
+        self.groups: dict[str, Any] = {}
+        """Per trainer role: the placement group its ranks were placed in."""
+        self.pending_failover: dict[str, Any] | None = None
+        """The newest trainer failover, until the new trainer has trained a step."""
 
     def place(self, roles: list[str]) -> dict[str, Any]:
         """Submit each of `roles`, once every one of them fits some node of the cluster."""
@@ -290,7 +297,7 @@ class RayRoles:
         self.submitted_at[role] = time.monotonic()
         options = self.config.cluster.placement(role).ray_options()
         group = None
-        if role in ("train", "sync") and self.config.trainer.world_size > 1:
+        if role in self.TRAINERS and self.config.trainer.world_size > 1:
             group, options["scheduling_strategy"] = self.reserve_ranks(role)
         # Ray itself never re-runs a role task: its task run would be a stale one.
         with remote_options(**options, max_retries=0):
@@ -318,8 +325,12 @@ class RayRoles:
         bundle = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
         bundle = {name: amount for name, amount in bundle.items() if amount > 0} or {"CPU": 1}
         world = self.config.trainer.world_size
+        lost = self.groups.pop(role, None)
+        if lost is not None:  # its bundles on live nodes go back to the pool
+            with suppress(Exception):
+                ray.util.remove_placement_group(lost)
         name = f"sluice-{self.run_id}-ranks-{time.time_ns()}"
-        group = placement_group(
+        group = self.groups[role] = placement_group(
             [dict(bundle) for _ in range(world)],
             strategy=self.config.cluster.train_strategy,
             name=name,
@@ -350,32 +361,70 @@ class RayRoles:
             f"{how_to_continue(role, self.run_id)}"
         )
 
-    def replace_lost(self, role: str, future: Any, state: Any) -> Any | None:
+    def replace_lost(
+        self, role: str, future: Any, state: Any, statuses: dict[str, dict[str, Any]] | None = None
+    ) -> Any | None:
         """A new future for `role` when its task was lost with its worker or node
-        (None: it ended on its own, for better or worse). Raises `TrainerNodeLost`
-        for the train role, `RunStopped` once a role was lost too often."""
+        (None: it ended on its own, for better or worse). Raises `RunStopped` once a
+        role was lost too often (`TrainerNodeLost` for the trainer). `statuses`: the
+        roles' last status documents, kept with a trainer failover."""
         if not state.is_crashed():
             return None
         mark_crashed(future.task_run_id, state.message or "its Ray worker or node was lost")
-        if role not in self.RESUMABLE:
-            raise TrainerNodeLost(
-                f"run {self.run_id} stopped: the node running the {role} role was lost "
-                f"({_first_line(state.message)}). Everything committed is kept; "
-                f"{how_to_continue(role, self.run_id)}"
-            )
-        done = self.replaced.get(role, 0)
+        done, why = self.replaced.get(role, 0), _first_line(state.message)
+        times = f"{done + 1} time{'s' if done else ''}"
         if done >= self.config.role_retries:
+            if role in self.TRAINERS:
+                raise TrainerNodeLost(
+                    f"run {self.run_id} stopped: the node running the {role} role was lost "
+                    f"({why}), {times} (role_retries={self.config.role_retries}). "
+                    f"Everything committed is kept; {how_to_continue(role, self.run_id)}"
+                )
             raise RunStopped(
-                f"run {self.run_id} stopped: the {role} role lost its node {done + 1} times "
+                f"run {self.run_id} stopped: the {role} role lost its node {times} "
                 f"(role_retries={self.config.role_retries}); "
                 f"{how_to_continue(role, self.run_id)}"
             )
         self.replaced[role] = done + 1
         if self.log is not None:
-            self.log.warning(
-                "%s lost its Ray node (%s); placing it again", role, _first_line(state.message)
-            )
+            self.log.warning("%s lost its Ray node (%s); placing it again", role, why)
+        if role in self.TRAINERS:
+            self.pending_failover = self._record(role, why, statuses or {})
         return self.submit(role)
+
+    def _record(self, role: str, why: str, statuses: dict[str, dict[str, Any]]) -> dict | None:
+        from sluice.tasks.run.failovers import record_loss
+        from sluice.tasks.run.paths import run_paths
+        from sluice.tasks.run.status import read_statuses
+
+        try:
+            # The watch's snapshot may be seconds old: the step the lost trainer reached
+            # is read now (the statuses the roles wrote last).
+            with suppress(Exception):
+                fresh = read_statuses(self.config, run_paths(self.config, self.run_id))
+                statuses = fresh if fresh.get("train") else statuses
+            return record_loss(self.config, self.run_id, role, why, statuses)
+        except Exception as exc:  # noqa: BLE001 - the record is bookkeeping: fail over anyway
+            if self.log is not None:
+                self.log.warning("trainer failover not recorded: %s", _first_line(str(exc)))
+            return None
+
+    def observe(self, statuses: dict[str, dict[str, Any]]) -> None:
+        """Note the end of a pending trainer failover, once the new trainer has trained."""
+        from sluice.tasks.run.failovers import note_recovery
+
+        pending = self.pending_failover
+        if pending is None:
+            return
+        with suppress(Exception):  # bookkeeping: the next tick tries again
+            if note_recovery(self.config, self.run_id, pending, statuses):
+                self.pending_failover = None
+                if self.log is not None:
+                    self.log.info(
+                        "%s failed over: training again %.0f s after its node was lost",
+                        pending["role"],
+                        time.time() - pending["lost_at"],
+                    )
 
 
 def _flow_logger() -> Any:

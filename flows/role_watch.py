@@ -181,7 +181,8 @@ def watch_progress(
     Serves both flows: the synchronous loop writes the same `train` status document.
     `started` (time.monotonic() at the flow's start) is when `trainer.time_budget_s`
     began to run out; when it has, the roles are told to stop. With `placed` (roles on
-    Ray), a role whose node was lost is placed again, or the run stops (the trainer's).
+    Ray), a role whose node was lost is placed again (the trainer too: a failover), or
+    the run stops once one was lost more than `role_retries` times.
     """
     paths = run_paths(config, run_id)
     total = config.trainer.total_steps
@@ -229,7 +230,8 @@ def watch_progress(
             last_state = show(poller.latest(), last_state)
             watchdog.emit_new(poller.latest().get("train", {}))
             if placed is not None:
-                replace_lost_roles(placed, futures, control)
+                replace_lost_roles(placed, futures, control, poller.latest())
+                placed.observe(poller.latest())
             failed = [r for r, f in futures.items() if ended_badly(f.state)]
             if failed and not stopping:  # one role failed for good: stop the others
                 stopping = True
@@ -240,7 +242,7 @@ def watch_progress(
                     target=best_effort, args=(partial(control.mark_done, reason),), daemon=True
                 ).start()
     except RunStopped:
-        raise  # a lost trainer's node: the other roles were stopped where it was raised
+        raise  # a role lost too often: the other roles were stopped where it was raised
     except BaseException:
         # Ctrl-C, SIGTERM, or an error in the watch: the flow is leaving, so its roles
         # flush and stop rather than run on unwatched (and keep this process alive).
@@ -274,9 +276,15 @@ def stop_and_wait(run_id: str, control: RunControl, futures: list[Any], reason: 
         time.sleep(0.5)
 
 
-def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunControl) -> None:
-    """Place again each role whose Ray node was lost; when that cannot be (the
-    trainer's node, or too many losses), stop the other roles and raise the one line."""
+def replace_lost_roles(
+    placed: RayRoles,
+    futures: dict[str, Any],
+    control: RunControl,
+    statuses: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Place again each role whose Ray node was lost; when that cannot be (too many
+    losses), stop the other roles and raise the one line. `statuses`: the roles' last
+    status documents (a trainer failover keeps them)."""
     for role, future in list(futures.items()):
         if role not in placed.task_names:
             continue
@@ -286,7 +294,7 @@ def replace_lost_roles(placed: RayRoles, futures: dict[str, Any], control: RunCo
             if not state.is_final():
                 placed.check_started(role, state)
                 continue
-            replacement = placed.replace_lost(role, future, state)
+            replacement = placed.replace_lost(role, future, state, statuses)
         except RunStopped as stopped:
             others = [f for r, f in futures.items() if r != role]
             stop_and_wait(placed.run_id, control, others, str(stopped).split(":")[0])

@@ -336,7 +336,7 @@ class RunConfig(BaseModel):
     threads_per_role: int | None = Field(None, ge=1, le=1024)
     """torch intra-op threads of each role process (inference server, trainer, evaluator). None = half the CPU cores (at least 1), since generation and training run side by side; the colocated sync baseline takes all cores. More threads than cores makes every role spin and slows the run several-fold."""
     role_retries: int = Field(2, ge=0, le=10000)
-    """Times a role whose process failed (crashed, killed, an outage it could not ride out) is started again before the run fails; each restart resumes from the role's ledger and the registry."""
+    """Times a role whose process failed (crashed, killed, an outage it could not ride out) is started again before the run fails; each restart resumes from the role's ledger and the registry. On a Ray cluster, also the times a role whose node was lost is placed again, counted apart (the trainer's is a failover, from the newest committed version on storage); past it the run stops with one line, resumable."""
     outage_timeout_s: float = Field(600.0, gt=0, le=7 * 86400)
     """Seconds a role waits for the object store or the tracking server to answer again once it stopped answering (after the client libraries' own retries with backoff); the wait costs none of `role_retries`. Longer, and the run stops with one line naming the service, to be continued with `sluice train --resume`. Short loses a run to a long blip; long keeps a run idle through a real outage."""
     model: ModelConfig = ModelConfig()

@@ -29,6 +29,7 @@ from sluice.engines.rl.samples import (
 )
 from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from sluice.infra.config import RunConfig
+from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.threads import Background
@@ -113,7 +114,9 @@ class SyncRole(TrainingRole):
         if adapter.is_dir():
             engine.update_weights_from_disk(adapter, latest.policy_version)
         reference = fetch_reference(cfg, self.registry, local_root / "reference")
-        trainer = build_trainer(cfg, model_dir, reference)
+        trainer = build_trainer(
+            cfg, model_dir, reference, start=RankStart(run_id=self.run_id, version=latest)
+        )
         advantages = advantage_fn(cfg)
         shape_rewards = reward_shaping(cfg)
         version = latest.policy_version

@@ -44,6 +44,7 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.weight_transfer import weight_transfer_path
+from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, write_json
@@ -344,7 +345,12 @@ class TrainRole(TrainingRole):
         cfg = self.config
         latest = self.start_version()
         reference = fetch_reference(cfg, self.registry, self.local_root / "reference")
-        trainer = build_trainer(cfg, self.training_dir(latest, self.local_root), reference)
+        trainer = build_trainer(
+            cfg,
+            self.training_dir(latest, self.local_root),
+            reference,
+            start=RankStart(run_id=self.run_id, version=latest),
+        )
         self.start_sender()
         version = latest.policy_version
         total = cfg.trainer.total_steps

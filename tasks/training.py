@@ -32,6 +32,7 @@ from sluice.infra.lease import StorageLease
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.system_metrics import SystemMetrics, start_system_metrics
 from sluice.tasks.process.following_ranks import join, start_following_ranks
+from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.process.trainer_factory import build_rank_trainer
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import filesystem
@@ -49,13 +50,17 @@ if TYPE_CHECKING:
 
 
 def build_trainer(
-    config: RunConfig, model_dir: Path, reference_dir: Path | None = None
+    config: RunConfig,
+    model_dir: Path,
+    reference_dir: Path | None = None,
+    start: RankStart | None = None,
 ) -> PolicyTrainer:
     """The policy trainer the run config asks for, on the weights in `model_dir`.
 
     With more than one trainer process (`trainer.world_size`) this process becomes rank
-    0 and starts the other ranks; the trainer returned runs each `train_step` and `save`
-    on all of them, and `close()` releases them.
+    0 and starts the other ranks (on other Ray nodes, they fetch `start`, the version
+    `model_dir` holds, from storage); the trainer returned runs each `train_step` and
+    `save` on all of them, and `close()` releases them.
     """
     if config.trainer.world_size == 1:
         return build_rank_trainer(config, model_dir, reference_dir)
@@ -69,7 +74,7 @@ def build_trainer(
     convert.check_supported(hf_config)
     convert.check_tensor_parallel(hf_config, config.trainer.tensor_parallel)
     convert.check_pipeline_parallel(hf_config, config.trainer.pipeline_parallel)
-    ranks = start_following_ranks(config, model_dir)
+    ranks = start_following_ranks(config, model_dir, start)
     lead = LockstepTrainer(build_rank_trainer(config, model_dir), on_close=lambda: join(ranks))
     return lead  # type: ignore[return-value]  # a PolicyTrainer by delegation
 

@@ -23,20 +23,23 @@ import torch
 
 from sluice.infra.config import RunConfig
 from sluice.tasks.process.ports import free_port
-from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RayRanks
+from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RankStart, RayRanks
 from sluice.tasks.process.trainer_factory import build_rank_trainer
 
 PR_SET_PDEATHSIG = 1
 
 
-def start_following_ranks(config: RunConfig, model_dir: Path) -> list[BaseProcess] | RayRanks:
+def start_following_ranks(
+    config: RunConfig, model_dir: Path, start: RankStart | None = None
+) -> list[BaseProcess] | RayRanks:
     """Start ranks 1..N-1 and make this process rank 0 of a group of N (``trainer.world_size``):
     child processes here, or, for a train role Ray placed, actors in the placement
-    group the flow reserved for them (tasks/process/ray_ranks.py)."""
+    group the flow reserved for them (tasks/process/ray_ranks.py), which fetch `start`
+    (the version `model_dir` holds) from storage on a node of their own."""
     if os.environ.get(TRAIN_GROUP_ENV):
         from sluice.tasks.process.ray_ranks import start_ray_ranks
 
-        return start_ray_ranks(config, model_dir, torch.get_num_threads())
+        return start_ray_ranks(config, model_dir, torch.get_num_threads(), start)
     world = config.trainer.world_size
     port = free_port()
     # This process is the role and the group's rank 0; its children read the same.

@@ -4,14 +4,17 @@ The flow reserves a placement group of `world_size` bundles, each what `cluster.
 asks, spread as `cluster.train_strategy` says, and places the train role in bundle 0.
 The train role's process is rank 0, as on one machine: it joins the cluster as a Ray
 driver and starts ranks 1..N-1 as actors in bundles 1..N-1, which may be on other
-nodes. They meet rank 0 at its node's address (torch.distributed's env:// rendezvous,
-gloo on CPU) and then follow its calls (`sluice.engines.megatron.lockstep`).
+nodes. They meet rank 0 at its node's registered address (torch.distributed's env://
+rendezvous, gloo on CPU; `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` name the
+interface that holds each rank's node address, unless set already) and then follow
+its calls (`sluice.engines.megatron.lockstep`).
 
-Each rank builds its trainer from the trainer's start directory at the same path as
-rank 0's: on one machine, or with `cluster.node_workdir` on a file system every node
-mounts. A rank that cannot read it stops the role in one line. The ranks are actors
-owned by rank 0's process, so a lost train node takes them with it (and a lost rank's
-node stops rank 0's next collective call).
+Each rank builds its trainer from the version the train role starts from. A rank on
+rank 0's node reads rank 0's start directory; a rank on another node fetches that
+version (policy and trainer state) from the run's storage into its own node's
+`cluster.node_workdir` (unless `cluster.shared_filesystem` says rank 0's path is
+readable everywhere). The ranks are actors owned by rank 0's process, so a lost train
+node takes them with it (and a lost rank's node stops rank 0's next collective call).
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from sluice.infra.config import RunConfig
+from sluice.infra.registry import CommittedVersion
 from sluice.tasks.process.ports import free_port
 
 RAY_ADDRESS_ENV = "SLUICE_RAY_ADDRESS"
@@ -32,21 +38,52 @@ NAMESPACE = "sluice"
 JOIN_TIMEOUT_S = 60.0
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this machine (None: none does)."""
+    import psutil
+
+    for name, entries in psutil.net_if_addrs().items():
+        if any(entry.address == address for entry in entries):
+            return name
+    return None
+
+
+def name_interface(address: str) -> None:
+    """Point gloo and NCCL at the interface of this node's registered `address`, unless
+    the user named one: on a machine with several, their own guess may be another."""
+    name = interface_of(address)
+    if name is not None:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, name)
+
+
 class RankActor:
     """One following rank, in a Ray worker on whatever node its bundle is on."""
 
-    def node_reading(self, model_dir: str, rank: int) -> str:
-        """This rank's node, once it is sure to read the trainer's start directory
-        (checked before any rank waits on the others' rendezvous)."""
+    def prepare(self, config_json: str, model_dir: str, rank: int, start: str | None) -> list[str]:
+        """This rank's node and the start directory it builds from, once it has one
+        (before any rank waits on the others' rendezvous): rank 0's on rank 0's node
+        or a shared file system, else `start` (a `RankStart`) fetched from storage."""
         import ray
 
-        if not Path(model_dir).is_dir():
+        config = RunConfig.model_validate_json(config_json)
+        here = str(ray.get_runtime_context().get_node_id())
+        readable = Path(model_dir).is_dir()
+        if start is not None and not (readable and self.beside_rank0(start, here, config)):
+            where = RankStart.model_validate_json(start).fetch(config, rank)
+            return [here, str(where)]
+        if not readable:
             raise RuntimeError(
                 f"trainer rank {rank} on {socket.gethostname()} cannot read the trainer's "
-                f"start directory {model_dir} (rank 0's node): ranks on other machines "
-                "need cluster.node_workdir on a file system every node mounts"
+                f"start directory {model_dir} (rank 0's node) and was given no version "
+                "to fetch from storage"
             )
-        return str(ray.get_runtime_context().get_node_id())
+        return [here, model_dir]
+
+    @staticmethod
+    def beside_rank0(start: str, here: str, config: RunConfig) -> bool:
+        """Whether rank 0's start directory is this node's file too."""
+        return config.cluster.shared_filesystem or RankStart.model_validate_json(start).node == here
 
     def follow(
         self, config_json: str, model_dir: str, rank: int, master: str, port: int, threads: int
@@ -57,6 +94,7 @@ class RankActor:
         from sluice.tasks.process.trainer_factory import build_rank_trainer
 
         config = RunConfig.model_validate_json(config_json)
+        name_interface(node_address())
         os.environ.update(
             {
                 "MASTER_ADDR": master,
@@ -100,8 +138,28 @@ def node_address() -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def start_ray_ranks(config: RunConfig, model_dir: Path, threads: int) -> RayRanks:
-    """Start ranks 1..N-1 in the trainer's placement group; this process becomes rank 0."""
+class RankStart(BaseModel):
+    """The version a split trainer starts from, as a rank on another node fetches it."""
+
+    run_id: str
+    version: CommittedVersion
+    node: str = ""
+    """Rank 0's Ray node (its start directory is a file there)."""
+
+    def fetch(self, config: RunConfig, rank: int) -> Path:
+        """The version's policy and trainer state, in this node's workdir."""
+        from sluice.tasks.run.paths import run_paths
+        from sluice.tasks.run.versions import fetch_training_dir
+
+        local = Path(config.workdir) / "runs" / self.run_id / f"train-rank{rank}"
+        return fetch_training_dir(config, run_paths(config, self.run_id), self.version, local)
+
+
+def start_ray_ranks(
+    config: RunConfig, model_dir: Path, threads: int, start: RankStart | None = None
+) -> RayRanks:
+    """Start ranks 1..N-1 in the trainer's placement group; this process becomes rank 0.
+    `start`: the version `model_dir` holds, for ranks on other nodes to fetch."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -109,6 +167,7 @@ def start_ray_ranks(config: RunConfig, model_dir: Path, threads: int) -> RayRank
         ray.init(address=os.environ[RAY_ADDRESS_ENV], namespace=NAMESPACE, log_to_driver=False)
     group = ray.util.get_placement_group(os.environ[TRAIN_GROUP_ENV])
     master, port = node_address(), free_port("")
+    name_interface(master)
     world = config.trainer.world_size
     os.environ.update(
         {"MASTER_ADDR": master, "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": "0"}
@@ -125,15 +184,21 @@ def start_ray_ranks(config: RunConfig, model_dir: Path, threads: int) -> RayRank
         for rank in range(1, world)
     ]
     here = ray.get_runtime_context().get_node_id()
+    config_json = config.model_dump_json()
+    shipped = start.model_copy(update={"node": here}).model_dump_json() if start else None
     try:
-        nodes = ray.get(
-            [actor.node_reading.remote(str(model_dir), r) for r, actor in enumerate(actors, 1)],
-            timeout=JOIN_TIMEOUT_S,
+        prepared = ray.get(
+            [
+                actor.prepare.remote(config_json, str(model_dir), r, shipped)
+                for r, actor in enumerate(actors, 1)
+            ],
+            timeout=config.cluster.placement_timeout_s + JOIN_TIMEOUT_S,  # a fetch included
         )
     except Exception:
         for actor in actors:
             ray.kill(actor)
         raise
+    nodes = [node for node, _ in prepared]
     model_parallel = config.trainer.tensor_parallel * config.trainer.pipeline_parallel
     if model_parallel > 1 and not config.cluster.shared_filesystem and set(nodes) - {here}:
         for actor in actors:
@@ -144,9 +209,8 @@ def start_ray_ranks(config: RunConfig, model_dir: Path, threads: int) -> RayRank
             "system and cluster.shared_filesystem=true, or cluster.train_strategy="
             "STRICT_PACK to keep the ranks on one node"
         )
-    config_json = config.model_dump_json()
     done = [
-        actor.follow.remote(config_json, str(model_dir), rank, master, port, threads)
-        for rank, actor in enumerate(actors, start=1)
+        actor.follow.remote(config_json, where, rank, master, port, threads)
+        for rank, (actor, (_, where)) in enumerate(zip(actors, prepared, strict=True), start=1)
     ]
     return RayRanks(actors, done)

@@ -32,6 +32,7 @@ from sluice.infra.tracking import (
     run_ui_url,
 )
 from sluice.infra.tracking_config import ui_command
+from sluice.tasks.run.failovers import failover_summary, read_failovers
 from sluice.tasks.run.paths import registered_model_name, run_paths, run_registry
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import role_threads
@@ -342,6 +343,9 @@ def summarise(
     if wall:
         result["train_wall_time_s"] = wall[-1][1]
     result["core_split"] = core_split(config, uri, mlflow_run_id, sync=sync)
+    result["trainer_failovers"] = failover_summary(
+        read_failovers(config, run_id), [v.created_at_ms / 1000 for v in versions]
+    )
     train = read_statuses(config, run_paths(config, run_id)).get("train", {})
     result["watchdog"] = {
         "firings": train.get("watchdog_firings", 0),
@@ -349,6 +353,23 @@ def summarise(
         "groups_skipped": train.get("groups_skipped", 0),
     }
     return result
+
+
+def failover_lines(failovers: list[dict[str, Any]]) -> list[str]:
+    """The summary's line on trainer failovers (none when there were none)."""
+    if not failovers:
+        return []
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f} s"
+
+    each = "; ".join(
+        f"next version committed {seconds(f['to_next_commit_s'])} after the loss, "
+        f"{f['samples_generated_meanwhile'] if f['samples_generated_meanwhile'] is not None else '-'}"
+        " samples generated meanwhile"
+        for f in failovers
+    )
+    return [f"- trainer failovers: {len(failovers)} ({each})"]
 
 
 def watchdog_line(watchdog: dict[str, Any]) -> str:
@@ -404,6 +425,7 @@ def publish_summary(
         f"- MLflow run: {result['mlflow_run_url']} (`{ui_command(cfg.tracking.uri)}`)",
         f"- reward curves: `{curves}` in the MLflow run",
         staleness_line(histogram, lag_counts),
+        *failover_lines(result["trainer_failovers"]),
         *core_split_lines(result["core_split"]),
     ]
     create_markdown_artifact(

@@ -24,7 +24,12 @@ class StatusReporter:
         self.interval_s = interval_s
         self.started_at = time.time()
         self._last = 0.0
-        self.fields: dict[str, Any] = {"role": role, "pid": os.getpid(), "state": "starting"}
+        self.fields: dict[str, Any] = {
+            "role": role,
+            "pid": os.getpid(),
+            "started_at": self.started_at,  # with the pid: this process, on any node
+            "state": "starting",
+        }
 
     def update(self, force: bool = False, **fields: Any) -> None:
         self.fields.update(fields)
