@@ -56,11 +56,11 @@ class ClusterConfig(Section):
     address: str | None = None
     """Ray cluster to join: `auto` (a cluster this machine is a node of), `HOST:6379` (its head's GCS), or `ray://HOST:10001` (Ray client). None = a one-node Ray instance started on this machine for the run (for trying the mode out; nothing spans machines)."""
     shared_filesystem: bool = False
-    """Declare that a `file://` `storage.url`, and `node_workdir`, are the same shared file system (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage (`s3://`)."""
+    """Declare that a `file://` `storage.url`, and `node_workdir`, are the same shared file system (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage (`s3://`), its only shared medium. With it, a split trainer's ranks on other nodes read rank 0's start directory and write their optimizer shards into its checkpoint directory instead of fetching from storage and sending their shards to rank 0 (an optimisation, never a requirement)."""
     node_workdir: str | None = None
     """Local directory on each node for the roles' caches (fetched weights) and logs. None = `workdir` resolved to an absolute path on the flow's machine, which every node must be able to create."""
     train_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """How a split trainer's ranks (`trainer.world_size` > 1, one `cluster.train` bundle each) spread over nodes: Ray's placement-group strategy. `STRICT_SPREAD` puts every rank on a node of its own, `STRICT_PACK` all on one. Tensor or pipeline parallel ranks on several nodes need `cluster.shared_filesystem` (their optimizer shards go into rank 0's checkpoint directory); data-parallel ones do not."""
+    """How a split trainer's ranks (`trainer.world_size` > 1, one `cluster.train` bundle each) spread over nodes: Ray's placement-group strategy. `STRICT_SPREAD` puts every rank on a node of its own, `STRICT_PACK` all on one. A rank on another node than rank 0 fetches the start version from storage, and a tensor or pipeline parallel one sends its optimizer shard to rank 0 at each save (over gloo: that costs the shard's size in rank 0's memory and network)."""
     placement_timeout_s: float = Field(600.0, gt=0)
     """How long a role's task may wait for a node that offers its placement (at the start, or after its node was lost) before the run stops with one line. A placement no node of the cluster offers at all is refused at once."""
     env: dict[str, str] = {}

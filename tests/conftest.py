@@ -54,6 +54,7 @@ PEAKED_EMBEDDING_SCALE = 20.0
 DOCKER_FILES = (
     "tests/flows/test_server_containers_flow.py",
     "tests/integration/test_compose_stack.py",
+    "tests/integration/test_container_cluster.py",
     "tests/integration/test_deployments.py",
     "tests/integration/test_docker_sandbox.py",
     "tests/integration/test_humaneval_sandboxes.py",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ class MegatronPolicyTrainer(PolicyTrainer):
     """Megatron takes its optimizer step inside its forward-backward schedule, so the
     correction and the watchdog have no place between backward and step: the π_prox
     pass runs over the whole batch first (`PolicyTrainer._proximal_is_free`)."""
+    shard_home: Path | None = None
+    """Where this rank writes its optimizer shard when rank 0's checkpoint directory is
+    not on its file system (a rank on another machine): the shard then travels to rank
+    0 over a gloo group, and rank 0 writes it beside its own. None: rank 0's directory
+    is this rank's too (one machine, or a shared file system)."""
 
     def __init__(
         self,
@@ -86,6 +92,12 @@ class MegatronPolicyTrainer(PolicyTrainer):
         settings = dataclasses.replace(
             settings,
             min_micro_batches=max(settings.min_micro_batches, replicas * pipeline_parallel),
+        )
+        # Shards that travel to rank 0 (`shard_home`) go over gloo whatever the backend.
+        self._files_group = (
+            torch.distributed.new_group(backend="gloo")
+            if tensor_parallel * pipeline_parallel > 1
+            else None
         )
         self.megatron, self.hf_config = load_hf_policy(model_dir, params_dtype=dtype, device=device)
         self.megatron.train()
@@ -207,6 +219,24 @@ class MegatronPolicyTrainer(PolicyTrainer):
         )
         return grad_norm, gathered
 
+    def _shards_to_rank0(self, out: Path, home: Path | None) -> None:
+        """Every file this rank wrote into `home` (its shard, away from rank 0's file
+        system), written by rank 0 into `out`. Collective over the world: each rank
+        sends what it has (nothing, from a rank beside rank 0)."""
+        if self._files_group is None:
+            return
+        files = sorted(p for p in home.iterdir() if p.is_file()) if home is not None else []
+        payload = [(p.name, p.read_bytes()) for p in files]
+        rank0 = torch.distributed.get_rank() == 0
+        gathered: list[Any] | None = [None] * torch.distributed.get_world_size() if rank0 else None
+        torch.distributed.gather_object(payload, gathered, dst=0, group=self._files_group)
+        for name, data in (item for sent in gathered or [] for item in sent or []):
+            temporary = out / f".{name}.partial"
+            temporary.write_bytes(data)
+            temporary.replace(out / name)
+        for path in files:  # on rank 0's side now
+            path.unlink()
+
     def _barrier(self) -> None:
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
@@ -244,7 +274,12 @@ class MegatronPolicyTrainer(PolicyTrainer):
         (its caller uploads the directory). Collective: every rank must call ``save``."""
         weights = self.hf_state_dict()
         if include_optimizer:
-            self.policy_optimizer.save(out / self._optimizer_file())
+            home = self.shard_home if torch.distributed.get_rank() != 0 else None
+            if home is not None:
+                shutil.rmtree(home, ignore_errors=True)
+                home.mkdir(parents=True)
+            self.policy_optimizer.save((home or out) / self._optimizer_file())
+            self._shards_to_rank0(out, home)
         self._barrier()
         if torch.distributed.get_rank() != 0:
             return False

@@ -13,7 +13,9 @@ Each rank builds its trainer from the version the train role starts from. A rank
 rank 0's node reads rank 0's start directory; a rank on another node fetches that
 version (policy and trainer state) from the run's storage into its own node's
 `cluster.node_workdir` (unless `cluster.shared_filesystem` says rank 0's path is
-readable everywhere). The ranks are actors owned by rank 0's process, so a lost train
+readable everywhere), and a tensor or pipeline parallel one writes its optimizer shard
+there too, to be sent to rank 0 at each save (`MegatronPolicyTrainer.shard_home`). The
+ranks are actors owned by rank 0's process, so a lost train
 node takes them with it (and a lost rank's node stops rank 0's next collective call).
 """
 
@@ -86,7 +88,14 @@ class RankActor:
         return config.cluster.shared_filesystem or RankStart.model_validate_json(start).node == here
 
     def follow(
-        self, config_json: str, model_dir: str, rank: int, master: str, port: int, threads: int
+        self,
+        config_json: str,
+        model_dir: str,
+        rank: int,
+        master: str,
+        port: int,
+        threads: int,
+        shard_home: str | None = None,
     ) -> None:
         import torch
 
@@ -104,7 +113,10 @@ class RankActor:
             }
         )
         torch.set_num_threads(threads)
-        follow(build_rank_trainer(config, Path(model_dir)))
+        trainer = build_rank_trainer(config, Path(model_dir))
+        if shard_home is not None:  # rank 0's checkpoint directory is not on this node
+            trainer.shard_home = Path(shard_home)  # type: ignore[attr-defined]
+        follow(trainer)
 
 
 class RayRanks:
@@ -198,19 +210,16 @@ def start_ray_ranks(
         for actor in actors:
             ray.kill(actor)
         raise
-    nodes = [node for node, _ in prepared]
-    model_parallel = config.trainer.tensor_parallel * config.trainer.pipeline_parallel
-    if model_parallel > 1 and not config.cluster.shared_filesystem and set(nodes) - {here}:
-        for actor in actors:
-            ray.kill(actor)
-        raise RuntimeError(
-            "tensor or pipeline parallel ranks on other nodes write their optimizer shards "
-            "into rank 0's checkpoint directory: set cluster.node_workdir on a shared file "
-            "system and cluster.shared_filesystem=true, or cluster.train_strategy="
-            "STRICT_PACK to keep the ranks on one node"
-        )
+    # A rank that fetched its start (another node) writes its optimizer shard at home,
+    # and it travels to rank 0 (tensor or pipeline parallel: MegatronPolicyTrainer).
+    homes = [
+        None if where == str(model_dir) else str(Path(where).parent / "shards")
+        for _, where in prepared
+    ]
     done = [
-        actor.follow.remote(config_json, where, rank, master, port, threads)
-        for rank, (actor, (_, where)) in enumerate(zip(actors, prepared, strict=True), start=1)
+        actor.follow.remote(config_json, where, rank, master, port, threads, home)
+        for rank, (actor, (_, where), home) in enumerate(
+            zip(actors, prepared, homes, strict=True), start=1
+        )
     ]
     return RayRanks(actors, done)

@@ -273,12 +273,16 @@ def launched_urls(config, run_id: str) -> list[str]:  # noqa: ANN001 - a RunConf
 
 
 @pytest.mark.usefixtures("shared_prefect_api")
-def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
-    tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster
+@pytest.mark.parametrize("split", ["data_parallel", "tensor_parallel"])
+def test_two_trainer_ranks_train_on_two_nodes_sharing_only_storage(
+    tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster, split
 ) -> None:
+    """Rank 1 on another node than rank 0 fetches the start version from S3 rather than
+    read rank 0's directory, and (tensor parallel) sends its optimizer shard to rank 0 at
+    each save, so the committed trainer state holds every shard."""
     from sluice.infra.config import load_config
     from sluice.tasks.run.audit import audit_run
-    from sluice.tasks.run.paths import run_paths
+    from sluice.tasks.run.paths import filesystem, run_paths
     from sluice.tasks.run.status import read_statuses
 
     steps = 4
@@ -291,7 +295,7 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
             **{
                 "trainer.total_steps": steps,
                 "trainer.backend": "megatron",
-                "trainer.data_parallel": 2,
+                f"trainer.{split}": 2,
             },
         ),
         "cluster.reward.resources={head_node: 1}",
@@ -330,6 +334,13 @@ def test_two_data_parallel_trainer_ranks_train_on_two_nodes(
     audit = audit_run(config, run_id)
     assert audit.problems() == [], audit.problems()
     assert audit.versions[-1] == steps
+    fs, state = filesystem(config, paths.trainer_state(steps))
+    names = {Path(p).name for p in fs.ls(state, detail=False)}
+    if split == "tensor_parallel":  # rank 1's shard reached rank 0, then storage
+        assert {"optimizer.pt", "optimizer.tp1.pt"} <= names, names
+        assert not list((fetched.parent / "shards").iterdir())  # sent, not kept
+    else:
+        assert "optimizer.pt" in names, names
     # The ranks and the server went with the run.
     assert not any(rank_actors(node) or server_processes(node) for node in cluster.nodes)
 
