@@ -37,9 +37,9 @@ tree_digest() {
   LC_ALL=C sort -z | tar -c --null --no-recursion -T - --mtime=@0 --owner=0 --group=0 \
     --numeric-owner -f - | sha256sum
 }
-# The extras the containers use: Ray nodes (cluster) and the Docker work pool's worker
-# (docker). Megatron trains on the host only.
-IMAGE_EXTRAS=cluster,docker
+# The extras the containers use: Ray nodes (cluster), a split trainer's ranks on them
+# (megatron) and the Docker work pool's worker (docker).
+IMAGE_EXTRAS=cluster,megatron,docker
 # The project's dependency list as pyproject.toml declares it, with its extras (its other
 # tables, pytest's settings say, change nothing the dependency image holds).
 dependency_list() {

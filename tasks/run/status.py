@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ class StatusReporter:
             "role": role,
             "pid": os.getpid(),
             "started_at": self.started_at,  # with the pid: this process, on any node
+            "host": socket.gethostname(),
             "state": "starting",
         }
 

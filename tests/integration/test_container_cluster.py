@@ -2,9 +2,10 @@
 nodes as Docker containers of `sluice:local` on a network of the test's own
 (tests/integration/container_cluster.py), moto's S3 server, the Prefect API and the
 MLflow server in containers too. The rollout and reward roles run on the head, the
-trainer on a node of its own. Mid-run the trainer's container is killed, every process
-at once, and a new train node joins (as a spare or an autoscaler brings one): the
-trainer fails over to it from the newest committed version on S3, and the run finishes
+trainer on a node of its own (one rank), or on two (two data-parallel Megatron ranks,
+rank 1 fetching its start from S3). Mid-run the train role's container is killed,
+every process at once, and a new node joins (as a spare or an autoscaler brings one):
+the trainer fails over from the newest committed version on S3, and the run finishes
 on its own, with the failover in its summary and a clean audit.
 """
 
@@ -14,29 +15,38 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.flows.conftest import tiny_run_overrides
-from tests.integration.container_cluster import CREDENTIALS, S3_PORT, Exec, container_cluster
+from tests.integration.container_cluster import (
+    CREDENTIALS,
+    S3_PORT,
+    ContainerCluster,
+    Exec,
+    container_cluster,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.docker, pytest.mark.cluster]
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "sluice-cluster"
 STEPS = 10
-TRAIN_NODE = {"train_node": 1}
 
 AUDIT = """
 import json, sys
 from sluice.infra.config import load_config
 from sluice.tasks.run.audit import audit_run
 from sluice.tasks.run.failovers import read_failovers
+from sluice.tasks.run.paths import run_paths
+from sluice.tasks.run.status import read_statuses
 config = load_config("default", json.loads(sys.argv[1]))
 audit = audit_run(config, sys.argv[2])
 print(json.dumps({"problems": audit.problems(), "versions": audit.versions,
     "lost": audit.groups_lost, "duplicated": audit.duplicated,
-    "max_staleness": audit.max_staleness, "failovers": read_failovers(config, sys.argv[2])}))
+    "max_staleness": audit.max_staleness, "failovers": read_failovers(config, sys.argv[2]),
+    "trainer_host": read_statuses(config, run_paths(config, sys.argv[2]))["train"]["host"]}))
 """
 
 
@@ -46,9 +56,32 @@ def s3_image(sluice_image: str) -> str:
     return "sluice-s3:local"
 
 
-def overrides(tag: str, head_address: str) -> list[str]:
+@pytest.fixture(scope="module")
+def machines(sluice_image: str, s3_image: str) -> Iterator[ContainerCluster]:
+    """The services and a Ray head (the rollout and reward roles' node) for the module;
+    each test adds the train nodes it loses."""
+    import boto3
+
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        container_cluster(sluice_image, s3_image) as cluster,
+    ):
+        for name, value in CREDENTIALS.items():  # moto's, for this machine's reads of S3
+            patch.setenv(name, value)
+        cluster.start_services()
+        s3_url = f"http://{cluster.address('s3')}:{S3_PORT}"
+        boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1").create_bucket(
+            Bucket=BUCKET
+        )
+        cluster.start_node("head", 3, {"head_node": 3})
+        yield cluster
+
+
+def overrides(cluster: ContainerCluster, run: str, train_node: str, **extra: object) -> list[str]:
     placement = ("workdir=", "storage.", "tracking.")
-    tiny = tiny_run_overrides(Path("/tmp"), **{"trainer.total_steps": STEPS, "role_retries": 2})
+    tiny = tiny_run_overrides(
+        Path("/tmp"), **{"trainer.total_steps": STEPS, "role_retries": 2, **extra}
+    )
     options = {
         "client_kwargs": {"endpoint_url": f"http://s3:{S3_PORT}", "region_name": "us-east-1"}
     }
@@ -56,73 +89,59 @@ def overrides(tag: str, head_address: str) -> list[str]:
         *(o for o in tiny if not o.startswith(placement)),
         "name=cc",
         "workdir=/tmp/sluice-flow",
-        f"storage.url=s3://{BUCKET}/run-{tag}",
+        f"storage.url=s3://{BUCKET}/{run}-{cluster.tag}",
         f"storage.options={json.dumps(options)}",
         "tracking.uri=http://mlflow:5000",
         "tracking.artifact_location=null",
         "evaluation.during_run=false",
         "cluster.engine=ray",
-        f"cluster.address={head_address}:6379",
+        f"cluster.address={cluster.address('ray-head')}:6379",
         "cluster.node_workdir=/tmp/sluice-node",
         "cluster.rollout.resources={head_node: 1}",
         "cluster.reward.resources={head_node: 1}",
-        "cluster.train.resources={train_node: 1}",
+        f"cluster.train.resources={{{train_node}: 1}}",
     ]
 
 
-def test_the_trainer_fails_over_between_machines_that_share_only_object_storage(
-    sluice_image: str, s3_image: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import boto3
-
+def fail_over(cluster: ContainerCluster, sets: list[str], spare: str, spare_resources: dict):
+    """Run `sluice train` on the head; once the trainer has trained three steps, kill the
+    container its train role runs in and start `spare`. Returns the run's output, the
+    lost node's name and the run's books (audit and failovers, read on the head)."""
     from sluice.infra.config import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 
-    for name, value in CREDENTIALS.items():  # moto's, for this machine's reads of S3
-        monkeypatch.setenv(name, value)
-    with container_cluster(sluice_image, s3_image) as cluster:
-        cluster.start_services()
-        s3_url = f"http://{cluster.address('s3')}:{S3_PORT}"
-        boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1").create_bucket(
-            Bucket=BUCKET
-        )
-        cluster.start_node("head", 3, {"head_node": 3})
-        cluster.start_node("c", 2, TRAIN_NODE)
-        head = cluster.address("ray-head")
-        sets = overrides(cluster.tag, head)
-        # This machine reads the run's statuses at S3's address on the test's network.
-        options = {"client_kwargs": {"endpoint_url": s3_url, "region_name": "us-east-1"}}
-        here = load_config(
-            "default",
-            [*sets, f"storage.options={json.dumps(options)}"],
-        )
-        train = Exec(
-            cluster.name("ray-head"),
-            ["sluice", "train", *(part for s in sets for part in ("--set", s))],
-        )
-        try:
-            run_id = wait_for(lambda: run_id_of(train.output), 240, "the run to start", train)
-            paths = run_paths(here, run_id)
+    # This machine reads the run's statuses at S3's address on the test's network.
+    s3_url = f"http://{cluster.address('s3')}:{S3_PORT}"
+    options = {"client_kwargs": {"endpoint_url": s3_url, "region_name": "us-east-1"}}
+    here = load_config("default", [*sets, f"storage.options={json.dumps(options)}"])
+    train = Exec(
+        cluster.name("ray-head"),
+        ["sluice", "train", *(part for s in sets for part in ("--set", s))],
+    )
+    try:
+        run_id = wait_for(lambda: run_id_of(train.output), 240, "the run to start", train)
+        paths = run_paths(here, run_id)
 
-            def step() -> int:
-                statuses = read_statuses(here, paths)
-                return int(statuses.get("train", {}).get("step") or 0)
+        def trainer() -> dict:
+            return read_statuses(here, paths).get("train", {})
 
-            wait_for(lambda: step() >= 3, 300, "three steps on node c", train)
-            cluster.kill("ray-c")
-            cluster.start_node("e", 2, TRAIN_NODE)
-            assert train.wait(600) == 0, train.output[-4000:]
-        finally:
-            train.kill()
-        assert "train lost its Ray node" in train.output, train.output[-4000:]
-        assert "trainer failovers: 1 (next version committed" in train.output
-        books = json.loads(
-            Exec(cluster.name("ray-head"), ["python", "-c", AUDIT, json.dumps(sets), run_id])
-            .finish(120)
-            .strip()
-            .splitlines()[-1]
-        )
+        wait_for(lambda: int(trainer().get("step") or 0) >= 3, 300, "three steps", train)
+        lost = trainer()["host"]
+        cluster.kill(lost)
+        cluster.start_node(spare, 2, spare_resources)
+        assert train.wait(600) == 0, train.output[-4000:]
+    finally:
+        train.kill()
+    audit = Exec(cluster.name("ray-head"), ["python", "-c", AUDIT, json.dumps(sets), run_id])
+    books = json.loads(audit.finish(120).strip().splitlines()[-1])
+    return train.output, lost, books
+
+
+def check_books(output: str, books: dict) -> None:
+    """One failover in the summary, and nothing lost, trained twice or too stale."""
+    assert "train lost its Ray node" in output, output[-4000:]
+    assert "trainer failovers: 1 (next version committed" in output, output[-3000:]
     assert books["problems"] == [], books["problems"]
     assert books["versions"][-1] == STEPS
     assert books["lost"] == [] and books["duplicated"] == 0
@@ -130,6 +149,40 @@ def test_the_trainer_fails_over_between_machines_that_share_only_object_storage(
     (failover,) = books["failovers"]
     assert failover["role"] == "train" and failover["step_at_loss"] >= 3
     assert failover["recovered_at"] > failover["lost_at"]
+
+
+def test_the_trainer_fails_over_between_machines_that_share_only_object_storage(
+    machines: ContainerCluster,
+) -> None:
+    machines.start_node("c", 2, {"train_node": 1})
+    sets = overrides(machines, "one-rank", "train_node")
+    output, lost, books = fail_over(machines, sets, "e", {"train_node": 1})
+    assert lost == "ray-c"
+    check_books(output, books)
+    assert books["trainer_host"] == "ray-e"
+
+
+def test_two_data_parallel_ranks_on_two_machines_fail_over_with_their_trainer(
+    machines: ContainerCluster,
+) -> None:
+    """Rank 1 on the other machine fetches the start version from S3 (there is no other
+    way); when rank 0's machine is lost, both ranks are placed again, on the machine
+    that survived and the one that joined."""
+    machines.start_node("c2", 2, {"dp_node": 1})
+    machines.start_node("d2", 2, {"dp_node": 1})
+    sets = [
+        *overrides(
+            machines,
+            "two-ranks",
+            "dp_node",
+            **{"trainer.backend": "megatron", "trainer.data_parallel": 2},
+        ),
+        "cluster.train_strategy=STRICT_SPREAD",
+    ]
+    output, lost, books = fail_over(machines, sets, "e2", {"dp_node": 1})
+    assert lost in ("ray-c2", "ray-d2")
+    check_books(output, books)
+    assert books["trainer_host"] in ({"ray-c2", "ray-d2"} - {lost}) | {"ray-e2"}
 
 
 def run_id_of(output: str) -> str | None:
