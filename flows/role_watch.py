@@ -256,6 +256,8 @@ def watch_progress(
     final = within(partial(best_effort, partial(read_statuses, config, paths)), FINAL_READ_S)
     final = final or poller.latest()
     watchdog.emit_new(final.get("train", {}))  # a firing that stopped the run
+    if placed is not None:  # a failover whose new trainer finished between two reads
+        placed.observe(final)
     if not any(ended_badly(f.state) for f in futures.values()):
         # Finished (storage answers): read once more, so the last line shows the end.
         show(final, last_state)

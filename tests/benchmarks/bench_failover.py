@@ -13,6 +13,12 @@ or an autoscaler would bring one. Printed, from the run's failover record and re
 - the audit: groups lost, groups trained twice, versions, largest staleness.
 
     python tests/benchmarks/bench_failover.py [--steps 12 --kill-at 4 --rounds 1]
+    python tests/benchmarks/bench_failover.py --containers [--rounds 1]
+
+`--containers`: every node a container of `sluice:local` on a network of its own,
+sharing only S3 (tests/integration/test_container_cluster.py: 10 steps, the trainer's
+container killed after its third), where the new trainer also waits out the lost one's
+trainer lease.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository's tests package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 BUCKET = "sluice-bench"
 
@@ -59,6 +69,7 @@ def one_failover(root: Path, s3: object, mlflow: object, steps: int, kill_at: in
     from tests.integration.ray_cluster import RayCluster
     from tests.integration.test_cluster import TRAIN_NODE, Train, cluster_overrides, wait_until
 
+    (root / "ray").mkdir()
     cluster = RayCluster(root / "ray")
     try:
         cluster.start_node("head", 4, {"head_node": 3, "reward_node": 2})
@@ -114,11 +125,64 @@ def one_failover(root: Path, s3: object, mlflow: object, steps: int, kill_at: in
     )
 
 
+def containers_failover(rounds: int) -> None:
+    """The same, with every node a container of `sluice:local` sharing only S3
+    (tests/integration/test_container_cluster.py): a new trainer there also waits out
+    the lost one's trainer lease, which on one machine it takes over at once."""
+    import subprocess
+
+    from tests.integration.container_cluster import CREDENTIALS, container_cluster
+    from tests.integration.test_container_cluster import BUCKET, fail_over, overrides
+
+    repo = Path(__file__).resolve().parents[2]
+    for target in ("sluice", "s3"):
+        subprocess.run(["bash", "infra/docker/image.sh", target], cwd=repo, check=True)
+    os.environ.update(CREDENTIALS)
+    import boto3
+
+    with container_cluster("sluice:local", "sluice-s3:local") as cluster:
+        cluster.start_services()
+        s3_url = f"http://{cluster.address('s3')}:9000"
+        boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1").create_bucket(
+            Bucket=BUCKET
+        )
+        cluster.start_node("head", 3, {"head_node": 3})
+        for round_ in range(rounds):
+            node = f"train_{round_}"
+            cluster.start_node(f"c{round_}", 2, {node: 1})
+            sets = overrides(cluster, f"bench-{round_}", node)
+            output, lost, books = fail_over(cluster, sets, f"e{round_}", {node: 1})
+            (entry,) = books["failovers"]
+            before = entry.get("rollout_at_loss") or {}
+            after = entry.get("rollout_at_recovery") or {}
+            line = next(x for x in output.splitlines() if "trainer failovers:" in x)
+            print(
+                f"round {round_ + 1} (containers, {lost} killed at step {entry['step_at_loss']}):"
+            )
+            print(
+                f"  first step past it {entry['recovered_at'] - entry['lost_at']:.1f} s after the loss"
+            )
+            print(f"  {line.strip()}")
+            print(
+                f"  rollout: written {before.get('samples_written')} -> "
+                f"{after.get('samples_written')}, groups in flight "
+                f"{before.get('groups_in_flight')} -> {after.get('groups_in_flight')}"
+            )
+            print(
+                f"  audit: {len(books['problems'])} problems, groups lost {len(books['lost'])}, "
+                f"trained twice {books['duplicated']}, last version {books['versions'][-1]}, "
+                f"largest staleness {books['max_staleness']}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-at", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--containers", action="store_true", help="nodes as containers sharing only S3"
+    )
     args = parser.parse_args()
     import torch
 
@@ -126,10 +190,18 @@ def main() -> None:
     from tests.soak.soak import MlflowServer
 
     os.environ.update(RAY_ENV)
-    print(
+    machine = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
-        f"{platform.python_version()}, torch {torch.__version__}; tiny run of {args.steps} "
-        f"steps, the train node killed at step {args.kill_at}, a new one started at once"
+        f"{platform.python_version()}, torch {torch.__version__}"
+    )
+    if args.containers:
+        print(f"{machine}; nodes as containers sharing only S3; tiny run of 10 steps, the")
+        print("train role's container killed once it has trained 3, a new node started at once")
+        containers_failover(args.rounds)
+        return
+    print(
+        f"{machine}; tiny run of {args.steps} steps, the train node killed at step "
+        f"{args.kill_at}, a new one started at once"
     )
     server, s3 = start_s3()
     with tempfile.TemporaryDirectory(prefix="sluice-failover-") as tmp:
