@@ -62,25 +62,28 @@ def name_interface(address: str) -> None:
 class RankActor:
     """One following rank, in a Ray worker on whatever node its bundle is on."""
 
-    def prepare(self, config_json: str, model_dir: str, rank: int, start: str | None) -> list[str]:
-        """This rank's node and the start directory it builds from, once it has one
-        (before any rank waits on the others' rendezvous): rank 0's on rank 0's node
-        or a shared file system, else `start` (a `RankStart`) fetched from storage."""
+    def prepare(
+        self, config_json: str, model_dir: str, rank: int, start: str | None
+    ) -> list[str | None]:
+        """This rank's node, the start directory it builds from once it has one (before
+        any rank waits on the others' rendezvous) and where it writes its optimizer
+        shard (None: into rank 0's directory): rank 0's on rank 0's node or a shared
+        file system, else `start` (a `RankStart`) fetched from storage."""
         import ray
 
         config = RunConfig.model_validate_json(config_json)
         here = str(ray.get_runtime_context().get_node_id())
         readable = Path(model_dir).is_dir()
         if start is not None and not (readable and self.beside_rank0(start, here, config)):
-            where = RankStart.model_validate_json(start).fetch(config, rank)
-            return [here, str(where)]
+            away = RankStart.model_validate_json(start)
+            return [here, str(away.fetch(config, rank)), str(away.local(config, rank) / "shards")]
         if not readable:
             raise RuntimeError(
                 f"trainer rank {rank} on {socket.gethostname()} cannot read the trainer's "
                 f"start directory {model_dir} (rank 0's node) and was given no version "
                 "to fetch from storage"
             )
-        return [here, model_dir]
+        return [here, model_dir, None]
 
     @staticmethod
     def beside_rank0(start: str, here: str, config: RunConfig) -> bool:
@@ -158,12 +161,16 @@ class RankStart(BaseModel):
     node: str = ""
     """Rank 0's Ray node (its start directory is a file there)."""
 
+    def local(self, config: RunConfig, rank: int) -> Path:
+        """Rank `rank`'s folder in this node's workdir."""
+        return Path(config.workdir) / "runs" / self.run_id / f"train-rank{rank}"
+
     def fetch(self, config: RunConfig, rank: int) -> Path:
         """The version's policy and trainer state, in this node's workdir."""
         from sluice.tasks.run.paths import run_paths
         from sluice.tasks.run.versions import fetch_training_dir
 
-        local = Path(config.workdir) / "runs" / self.run_id / f"train-rank{rank}"
+        local = self.local(config, rank) / "start"
         return fetch_training_dir(config, run_paths(config, self.run_id), self.version, local)
 
 
@@ -212,14 +219,8 @@ def start_ray_ranks(
         raise
     # A rank that fetched its start (another node) writes its optimizer shard at home,
     # and it travels to rank 0 (tensor or pipeline parallel: MegatronPolicyTrainer).
-    homes = [
-        None if where == str(model_dir) else str(Path(where).parent / "shards")
-        for _, where in prepared
-    ]
     done = [
         actor.follow.remote(config_json, where, rank, master, port, threads, home)
-        for rank, (actor, (_, where), home) in enumerate(
-            zip(actors, prepared, homes, strict=True), start=1
-        )
+        for rank, (actor, (_, where, home)) in enumerate(zip(actors, prepared, strict=True), 1)
     ]
     return RayRanks(actors, done)

@@ -338,7 +338,7 @@ def test_two_trainer_ranks_train_on_two_nodes_sharing_only_storage(
     names = {Path(p).name for p in fs.ls(state, detail=False)}
     if split == "tensor_parallel":  # rank 1's shard reached rank 0, then storage
         assert {"optimizer.pt", "optimizer.tp1.pt"} <= names, names
-        assert not list((fetched / "shards").iterdir())  # sent, not kept
+        assert not list((fetched / "shards").iterdir()), sorted(map(str, fetched.rglob("*")))
     else:
         assert "optimizer.pt" in names, names
     # The ranks and the server went with the run.

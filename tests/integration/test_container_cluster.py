@@ -46,7 +46,8 @@ audit = audit_run(config, sys.argv[2])
 print(json.dumps({"problems": audit.problems(), "versions": audit.versions,
     "lost": audit.groups_lost, "duplicated": audit.duplicated,
     "max_staleness": audit.max_staleness, "failovers": read_failovers(config, sys.argv[2]),
-    "trainer_host": read_statuses(config, run_paths(config, sys.argv[2]))["train"]["host"]}))
+    "trainer_host": read_statuses(config, run_paths(config, sys.argv[2]))["train"]["host"],
+    "trainer_started_at": read_statuses(config, run_paths(config, sys.argv[2]))["train"]["started_at"]}))
 """
 
 
@@ -183,6 +184,62 @@ def test_two_data_parallel_ranks_on_two_machines_fail_over_with_their_trainer(
     assert lost in ("ray-c2", "ray-d2")
     check_books(output, books)
     assert books["trainer_host"] in ({"ray-c2", "ray-d2"} - {lost}) | {"ray-e2"}
+
+
+def test_losing_rank_1s_machine_restarts_the_trainer_with_a_rank_on_the_machine_that_joins(
+    machines: ContainerCluster,
+) -> None:
+    """The node of a following rank is lost, not the train role's: rank 0's next
+    collective call fails, its task starts the role again (`role_retries`) on its own
+    node, and Ray places the lost bundle of the ranks' placement group on the machine
+    that joins, where rank 1 fetches its start from S3. Not a failover: the train role's
+    node lived."""
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.paths import run_paths
+    from sluice.tasks.run.status import read_statuses
+
+    machines.start_node("c3", 2, {"dp3_node": 1})
+    machines.start_node("d3", 2, {"dp3_node": 1})
+    sets = [
+        *overrides(
+            machines,
+            "rank-one",
+            "dp3_node",
+            **{"trainer.backend": "megatron", "trainer.data_parallel": 2},
+        ),
+        "cluster.train_strategy=STRICT_SPREAD",
+    ]
+    s3_url = f"http://{machines.address('s3')}:{S3_PORT}"
+    options = {"client_kwargs": {"endpoint_url": s3_url, "region_name": "us-east-1"}}
+    here = load_config("default", [*sets, f"storage.options={json.dumps(options)}"])
+    train = Exec(
+        machines.name("ray-head"),
+        ["sluice", "train", *(part for s in sets for part in ("--set", s))],
+    )
+    try:
+        run_id = wait_for(lambda: run_id_of(train.output), 240, "the run to start", train)
+        paths = run_paths(here, run_id)
+
+        def trainer() -> dict:
+            return read_statuses(here, paths).get("train", {})
+
+        wait_for(lambda: int(trainer().get("step") or 0) >= 3, 300, "three steps", train)
+        first = trainer()
+        rank1 = ({"ray-c3", "ray-d3"} - {first["host"]}).pop()
+        machines.kill(rank1)
+        machines.start_node("e3", 2, {"dp3_node": 1})
+        assert train.wait(600) == 0, train.output[-4000:]
+    finally:
+        train.kill()
+    audit = Exec(machines.name("ray-head"), ["python", "-c", AUDIT, json.dumps(sets), run_id])
+    books = json.loads(audit.finish(120).strip().splitlines()[-1])
+    assert books["problems"] == [], books["problems"]
+    assert books["versions"][-1] == STEPS
+    assert books["lost"] == [] and books["duplicated"] == 0
+    assert books["failovers"] == []  # the train role's node lived
+    # Its task started the train role again, where it was.
+    assert books["trainer_host"] == first["host"]
+    assert books["trainer_started_at"] != first["started_at"]
 
 
 def run_id_of(output: str) -> str | None:
