@@ -151,7 +151,8 @@ def containers_failover(rounds: int) -> None:
             node = f"train_{round_}"
             cluster.start_node(f"c{round_}", 2, {node: 1})
             sets = overrides(cluster, f"bench-{round_}", node)
-            output, lost, books = fail_over(cluster, sets, f"e{round_}", {node: 1})
+            output, first, books = fail_over(cluster, sets, f"e{round_}", {node: 1})
+            lost = first["host"]
             (entry,) = books["failovers"]
             before = entry.get("rollout_at_loss") or {}
             after = entry.get("rollout_at_recovery") or {}

@@ -15,7 +15,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -104,10 +104,17 @@ def overrides(cluster: ContainerCluster, run: str, train_node: str, **extra: obj
     ]
 
 
-def fail_over(cluster: ContainerCluster, sets: list[str], spare: str, spare_resources: dict):
-    """Run `sluice train` on the head; once the trainer has trained three steps, kill the
-    container its train role runs in and start `spare`. Returns the run's output, the
-    lost node's name and the run's books (audit and failovers, read on the head)."""
+def fail_over(
+    cluster: ContainerCluster,
+    sets: list[str],
+    spare: str,
+    spare_resources: dict,
+    victim: Callable[[dict], str] = lambda trainer: trainer["host"],
+):
+    """Run `sluice train` on the head; once the trainer has trained three steps, kill
+    the container `victim` names (from the train role's status; by default the one it
+    runs in) and start `spare`. Returns the run's output, the train role's status when
+    the container was killed and the run's books (audit and failovers, read on the head)."""
     from sluice.infra.config import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
@@ -128,15 +135,15 @@ def fail_over(cluster: ContainerCluster, sets: list[str], spare: str, spare_reso
             return read_statuses(here, paths).get("train", {})
 
         wait_for(lambda: int(trainer().get("step") or 0) >= 3, 300, "three steps", train)
-        lost = trainer()["host"]
-        cluster.kill(lost)
+        first = trainer()
+        cluster.kill(victim(first))
         cluster.start_node(spare, 2, spare_resources)
         assert train.wait(600) == 0, train.output[-4000:]
     finally:
         train.kill()
     audit = Exec(cluster.name("ray-head"), ["python", "-c", AUDIT, json.dumps(sets), run_id])
     books = json.loads(audit.finish(120).strip().splitlines()[-1])
-    return train.output, lost, books
+    return train.output, first, books
 
 
 def check_books(output: str, books: dict) -> None:
@@ -157,8 +164,8 @@ def test_the_trainer_fails_over_between_machines_that_share_only_object_storage(
 ) -> None:
     machines.start_node("c", 2, {"train_node": 1})
     sets = overrides(machines, "one-rank", "train_node")
-    output, lost, books = fail_over(machines, sets, "e", {"train_node": 1})
-    assert lost == "ray-c"
+    output, first, books = fail_over(machines, sets, "e", {"train_node": 1})
+    assert first["host"] == "ray-c"
     check_books(output, books)
     assert books["trainer_host"] == "ray-e"
 
@@ -180,10 +187,10 @@ def test_two_data_parallel_ranks_on_two_machines_fail_over_with_their_trainer(
         ),
         "cluster.train_strategy=STRICT_SPREAD",
     ]
-    output, lost, books = fail_over(machines, sets, "e2", {"dp_node": 1})
-    assert lost in ("ray-c2", "ray-d2")
+    output, first, books = fail_over(machines, sets, "e2", {"dp_node": 1})
+    assert first["host"] in ("ray-c2", "ray-d2")
     check_books(output, books)
-    assert books["trainer_host"] in ({"ray-c2", "ray-d2"} - {lost}) | {"ray-e2"}
+    assert books["trainer_host"] in ({"ray-c2", "ray-d2"} - {first["host"]}) | {"ray-e2"}
 
 
 def test_losing_rank_1s_machine_restarts_the_trainer_with_a_rank_on_the_machine_that_joins(
@@ -194,10 +201,6 @@ def test_losing_rank_1s_machine_restarts_the_trainer_with_a_rank_on_the_machine_
     node, and Ray places the lost bundle of the ranks' placement group on the machine
     that joins, where rank 1 fetches its start from S3. Not a failover: the train role's
     node lived."""
-    from sluice.infra.config import load_config
-    from sluice.tasks.run.paths import run_paths
-    from sluice.tasks.run.status import read_statuses
-
     machines.start_node("c3", 2, {"dp3_node": 1})
     machines.start_node("d3", 2, {"dp3_node": 1})
     sets = [
@@ -209,30 +212,13 @@ def test_losing_rank_1s_machine_restarts_the_trainer_with_a_rank_on_the_machine_
         ),
         "cluster.train_strategy=STRICT_SPREAD",
     ]
-    s3_url = f"http://{machines.address('s3')}:{S3_PORT}"
-    options = {"client_kwargs": {"endpoint_url": s3_url, "region_name": "us-east-1"}}
-    here = load_config("default", [*sets, f"storage.options={json.dumps(options)}"])
-    train = Exec(
-        machines.name("ray-head"),
-        ["sluice", "train", *(part for s in sets for part in ("--set", s))],
+    _, first, books = fail_over(
+        machines,
+        sets,
+        "e3",
+        {"dp3_node": 1},
+        victim=lambda trainer: ({"ray-c3", "ray-d3"} - {trainer["host"]}).pop(),
     )
-    try:
-        run_id = wait_for(lambda: run_id_of(train.output), 240, "the run to start", train)
-        paths = run_paths(here, run_id)
-
-        def trainer() -> dict:
-            return read_statuses(here, paths).get("train", {})
-
-        wait_for(lambda: int(trainer().get("step") or 0) >= 3, 300, "three steps", train)
-        first = trainer()
-        rank1 = ({"ray-c3", "ray-d3"} - {first["host"]}).pop()
-        machines.kill(rank1)
-        machines.start_node("e3", 2, {"dp3_node": 1})
-        assert train.wait(600) == 0, train.output[-4000:]
-    finally:
-        train.kill()
-    audit = Exec(machines.name("ray-head"), ["python", "-c", AUDIT, json.dumps(sets), run_id])
-    books = json.loads(audit.finish(120).strip().splitlines()[-1])
     assert books["problems"] == [], books["problems"]
     assert books["versions"][-1] == STEPS
     assert books["lost"] == [] and books["duplicated"] == 0
