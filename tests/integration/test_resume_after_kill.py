@@ -21,12 +21,13 @@ from tests.integration.conftest import stop_process_group
 
 pytestmark = pytest.mark.integration
 ROLES = ("rollout", "reward", "train")
-STEPS = 10
+STEPS = 20
 KILLS = ("rollout", "reward", "train")
-"""The roles killed, in turn, a couple of seconds apart, once the trainer has made two
-steps: all three land early in the run. Waiting for a step between kills does not
-work: a role's status document can move several steps at once on a loaded box, and a
-run of 10 steps once finished before its last kill that way."""
+"""The roles killed, in turn, a second apart, once the trainer has made two steps: all
+three land early in the run. Waiting for a step between kills does not work: a role's
+status document can move several steps at once on a loaded box, and a run of 10 steps
+once finished before its last kill that way; with kills two seconds apart, a 10-step run
+once finished before its second."""
 
 
 def start(role, config_path, run_id, mlflow_run_id, log_dir):
@@ -87,7 +88,7 @@ def test_sigkill_and_restart_of_each_role_loses_nothing_and_trains_nothing_twice
             procs[victim].wait()
             procs[victim] = start(victim, config_path, run_id, mlflow_run_id, log_dir)
             started.append(procs[victim])
-            time.sleep(2)
+            time.sleep(1)
         for role, proc in procs.items():
             assert proc.wait(timeout=300) == 0, (log_dir / f"{role}.log").read_text()[-3000:]
     finally:
