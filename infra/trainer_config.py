@@ -199,6 +199,8 @@ class TrainerConfig(_Section):
     """Token budget of one packed micro-batch (dynamic micro-batching)."""
     min_micro_batches: int = Field(1, ge=1)
     """Lower bound on micro-batches per minibatch."""
+    shared_prompt: bool = False
+    """Run each prompt once per micro-batch with its group's responses on top (each response attends to the prompt and its own tokens), instead of once per response: a group costs P + G x R tokens instead of G x (P + R), with the same loss and gradient up to the order of float sums. Micro-batches then keep a group together (cut where it exceeds `max_tokens_per_micro_batch`). Worth most where prompts are long beside responses. Torch backend only. No verl/TRL key; AReaL and verl pack one sequence per response."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling with refill: the rollout keeps generating past groups whose rewards are all equal (they carry no gradient) so that every batch still holds B groups that do; those are dropped, and their count per batch is the cost (`dynamic_sampling/extra_groups`). The staleness bound holds for every sample (docs/design.md). Off: such groups stay in their batch with zero advantage, or shrink it with `advantage.drop_zero_variance_groups`."""
     dynamic_sampling_max_draws: int = Field(10, ge=1)
@@ -239,6 +241,11 @@ class TrainerConfig(_Section):
             raise ValueError(
                 "trainer.lora trains adapters with the torch backend only; set "
                 "trainer.backend=torch or trainer.lora.rank=0"
+            )
+        if self.shared_prompt and self.backend != "torch":
+            raise ValueError(
+                f"trainer.shared_prompt needs trainer.backend=torch (the {self.backend} "
+                "backend's attention has no mask for a prompt shared by several responses)"
             )
         if self.backend != "torch":
             torch_only = {

@@ -79,6 +79,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
         """As ``PolicyTrainer``; in a world of more than one process, every rank
         constructs one and calls each method in step, with the same samples. The world
         must hold ``tensor × pipeline × data`` processes."""
+        if settings.shared_prompt:
+            raise ValueError(
+                "shared_prompt needs the torch trainer: Megatron's attention has no branch mask"
+            )
         initialize_parallel(tensor_parallel, pipeline_parallel)
         replicas = parallel_state.get_data_parallel_world_size()
         if replicas != data_parallel:

@@ -193,6 +193,13 @@ class PackedBatch:
     = every position. A backend may compute the LM head at these rows only: with a 49k
     vocabulary the head and its log-softmax are a large share of a small model's work,
     and the prompt's positions predict nothing that is trained."""
+    branch_ids: Tensor | None = None
+    """Shared-prompt packing (:mod:`sluice.engines.rl.prompt_sharing`): per token, -1 for
+    a block's shared prompt, else the index of its response branch in the block; attention
+    then runs prompt + own branch. None: every block is one causal sequence."""
+    target_positions: Tensor | None = None
+    """Where the response tokens sit in the row, in sample order, when the layout does not
+    say it (shared-prompt packing); None: each sample's tokens after its prompt."""
 
     @property
     def total_tokens(self) -> int:
@@ -209,12 +216,15 @@ class PackedBatch:
 
         Read by :func:`packed_causal_attention` and by ``flash_attention_2``.
         """
-        return {
+        kwargs: dict[str, Any] = {
             "cu_seq_lens_q": self.cu_seqlens,
             "cu_seq_lens_k": self.cu_seqlens,
             "max_length_q": self.max_seqlen,
             "max_length_k": self.max_seqlen,
         }
+        if self.branch_ids is not None:  # only the packed attention reads the branches
+            kwargs["branch_ids"] = self.branch_ids
+        return kwargs
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch on another device."""
@@ -226,6 +236,8 @@ class PackedBatch:
             sequence_ids=self.sequence_ids.to(device),
             max_seqlen=self.max_seqlen,
             logit_rows=None if self.logit_rows is None else self.logit_rows.to(device),
+            branch_ids=None if self.branch_ids is None else self.branch_ids.to(device),
+            target_positions=self.target_positions,
         )
 
 
@@ -318,13 +330,16 @@ def packed_causal_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     cu_seq_lens_q: Tensor | None = None,
+    branch_ids: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Causal attention restricted to each packed sequence (HF attention-interface signature).
 
     ``query`` is [1, heads, T, head_dim]; ``key``/``value`` may have fewer (grouped)
     heads. Returns [1, T, heads, head_dim]. The 4-D ``attention_mask`` is ignored: the
-    boundaries come from ``cu_seq_lens_q`` (see :meth:`PackedBatch.attention_kwargs`).
+    boundaries come from ``cu_seq_lens_q`` (see :meth:`PackedBatch.attention_kwargs`),
+    and with ``branch_ids`` a block is a shared prompt and its branches
+    (:mod:`sluice.engines.rl.prompt_sharing`).
     """
     if cu_seq_lens_q is None:
         raise ValueError(
@@ -344,14 +359,24 @@ def packed_causal_attention(
             query[:, :, s:e],
             key[:, :, s:e],
             value[:, :, s:e],
+            attn_mask=None if branch_ids is None else branch_mask(branch_ids[s:e]),
             dropout_p=p,
-            is_causal=True,
+            is_causal=branch_ids is None,
             scale=scaling,
         )
         for s, e in zip(bounds[:-1], bounds[1:], strict=True)
         if e > s
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def branch_mask(branch_ids: Tensor) -> Tensor:
+    """Boolean [L, L] mask of one shared-prompt block: query q may attend to key k iff
+    k <= q and k is a prompt token (branch -1) or in q's own branch."""
+    ids = branch_ids.to(torch.int64)
+    n = ids.numel()
+    earlier = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    return earlier & ((ids[None, :] == ids[:, None]) | (ids[None, :] < 0))
 
 
 def register_packed_attention() -> str:

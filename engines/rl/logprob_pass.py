@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sluice.engines.rl.batching import PackedBatch, dynamic_micro_batches, pack_sequences
+from sluice.engines.rl.prompt_sharing import pack_shared_prompts, shared_prompt_micro_batches
 from sluice.engines.rl.train_batch import TrainBatch, TrainerSettings, TrainingSample, make_batch
 
 
@@ -57,7 +58,8 @@ class LogprobPasses:
             logits = self._logits(packed)
         positions = self._response_positions(batch, indices, packed).to(logits.device)
         if logits.shape[0] == packed.total_tokens:  # every row: keep those that predict
-            logits = logits[positions - 1]  # the token at p is predicted at p - 1
+            rows = positions - 1 if packed.logit_rows is None else packed.logit_rows
+            logits = logits[rows.to(logits.device)]
         logits = logits.float() / self.settings.temperature
         targets = packed.input_ids[0, positions]
         log_norm = torch.logsumexp(logits, dim=-1)
@@ -72,6 +74,8 @@ class LogprobPasses:
         batch: TrainBatch, indices: Sequence[int], packed: PackedBatch
     ) -> torch.Tensor:
         """Where the response tokens of the samples in `indices` sit in their packed row."""
+        if packed.target_positions is not None:
+            return packed.target_positions
         starts = packed.cu_seqlens[:-1].to(torch.int64).cpu()
         return torch.cat(
             [
@@ -82,12 +86,25 @@ class LogprobPasses:
         )
 
     def _pack(self, batch: TrainBatch, indices: Sequence[int]) -> PackedBatch:
-        """The samples in `indices` packed into one row, their logit rows marked."""
+        """The samples in `indices` packed into one row, their logit rows marked; with
+        `shared_prompt`, each distinct prompt once and its responses on top of it."""
+        if self.settings.shared_prompt:
+            prompts = [batch.sequences[i][: batch.prompt_lens[i]] for i in indices]
+            responses = [batch.sequences[i][batch.prompt_lens[i] :] for i in indices]
+            return pack_shared_prompts(prompts, responses).to(self.device)
         packed = pack_sequences([batch.sequences[i] for i in indices])
         rows = self._response_positions(batch, indices, packed) - 1
         return dataclasses.replace(packed, logit_rows=rows).to(self.device)
 
     def _micro_batches(self, batch: TrainBatch, indices: Sequence[int]) -> list[list[int]]:
+        if self.settings.shared_prompt:
+            plan = shared_prompt_micro_batches(
+                [batch.sequences[i][: batch.prompt_lens[i]] for i in indices],
+                [batch.response_lens[i] for i in indices],
+                self.settings.max_tokens_per_micro_batch,
+                self.settings.min_micro_batches,
+            )
+            return [[indices[j] for j in mb] for mb in plan]
         lengths = [batch.prompt_lens[i] + batch.response_lens[i] for i in indices]
         plan = dynamic_micro_batches(
             lengths, self.settings.max_tokens_per_micro_batch, self.settings.min_micro_batches

@@ -62,6 +62,8 @@ class TrainerSettings:
     """Optimizer steps per train_step."""
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one packed micro-batch (prompt + response tokens)."""
+    shared_prompt: bool = False
+    """Pack each distinct prompt once with its responses on top (`sluice.engines.rl.prompt_sharing`)."""
     min_micro_batches: int = 1
     """Lower bound on micro-batches per minibatch."""
     seed: int = 0

@@ -330,6 +330,7 @@ class PolicyTrainer(LogprobPasses):
         loss_parts: list[dict[str, torch.Tensor]] = []
         grad_norms = []
         micro_batch_count = 0
+        packed_tokens = 0
         applied = 0
         for j, minibatch in enumerate(steps):
             if self._refused:
@@ -337,6 +338,7 @@ class PolicyTrainer(LogprobPasses):
             plan = self._micro_batches(batch, minibatch)
             packed = [self._pack(batch, mb) for mb in plan]
             micro_batch_count += len(plan)
+            packed_tokens += sum(p.total_tokens for p in packed)
             loss_of = minibatch_loss(self, batch, plan, packed, prox, j / len(steps), reference)
             # Trained tokens only: a tool's observation tokens are not in the mean.
             token_counts = [int(self._gather(batch, batch.loss_mask, mb).sum()) for mb in plan]
@@ -366,6 +368,7 @@ class PolicyTrainer(LogprobPasses):
                 "train/response_tokens": float(batch.response_offsets[-1]),
                 "train/trained_tokens": float(trained_tokens),
                 "train/micro_batches": float(micro_batch_count),
+                "train/packed_tokens": float(packed_tokens),
                 "train/applied_minibatches": float(applied),
                 "train/optimizer_steps": float(len(steps)),
                 "train/lr": lr,

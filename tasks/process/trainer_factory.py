@@ -29,6 +29,7 @@ def trainer_settings(config: RunConfig) -> TrainerSettings:
         temperature=config.rollout.temperature,
         ppo_minibatches=t.ppo_minibatches,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        shared_prompt=t.shared_prompt,
         min_micro_batches=t.min_micro_batches,
         seed=config.seed,
         ppo_epochs=t.ppo_epochs,
