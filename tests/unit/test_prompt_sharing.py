@@ -6,12 +6,16 @@ import pytest
 import torch
 
 from sluice.engines.rl.batching import branch_mask
+from sluice.engines.rl.lora import LoraSettings
+from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.prompt_sharing import (
     pack_shared_prompts,
     prompt_groups,
     shared_prompt_micro_batches,
 )
-from sluice.engines.rl.train_batch import TrainingSample
+from sluice.engines.rl.rollout_correction import make_rollout_correction
+from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
+from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.trainer_config import TrainerConfig
 from tests.unit.test_free_proximal import assert_same_parameters
 from tests.unit.test_trainer import make_trainer
@@ -110,12 +114,38 @@ def test_shared_packing_trains_the_same_update(tiny_dir, settings):
     for seed in range(2):  # the second step trains off-policy samples of version 0
         samples = grouped_samples(separate if seed == 0 else make_trainer(tiny_dir), seed=seed)
         x, y = separate.train_step(samples), shared.train_step(samples)
-        torch.testing.assert_close(
-            x["loss/policy_loss"], y["loss/policy_loss"], rtol=1e-5, atol=1e-7
-        )
+        # The gradient's norm as well as the weights: Adam's first steps move a weight
+        # by about lr x sign(g), which would hide a gradient wrong in size only.
+        for key in ("loss/policy_loss", "train/grad_norm"):
+            torch.testing.assert_close(x[key], y[key], rtol=1e-5, atol=1e-7)
         assert x["train/trained_tokens"] == y["train/trained_tokens"]
         assert y["train/packed_tokens"] < x["train/packed_tokens"] == x["train/trained_tokens"]
     assert_same_parameters(separate, shared)
+
+
+def test_shared_packing_reaches_the_attention_through_lora_adapters(tiny_dir):
+    # peft's wrapper passes the model call's keyword arguments on; were `branch_ids`
+    # dropped on the way, every branch would attend to the ones before it.
+    def lora_trainer(**settings):
+        torch.manual_seed(0)  # the adapters' A matrices start random: the same for both
+        return PolicyTrainer(
+            tiny_dir,
+            TrainerSettings(lr=1e-3, **settings),
+            make_policy_loss(),
+            make_rollout_correction("token_tis", threshold=2.0),
+            lora=LoraSettings(rank=4, alpha=8),
+        )
+
+    separate, shared = lora_trainer(), lora_trainer(shared_prompt=True)
+    samples = grouped_samples(separate)
+    x, y = separate.train_step(samples), shared.train_step(samples)
+    for key in ("loss/policy_loss", "train/grad_norm"):
+        torch.testing.assert_close(x[key], y[key], rtol=1e-5, atol=1e-7)
+    assert y["train/packed_tokens"] < x["train/packed_tokens"]
+    # After the step (B no longer zero) the adapters' outputs enter the logits.
+    a, b = separate.response_logprobs(samples), shared.response_logprobs(samples)
+    for u, v in zip(a, b, strict=True):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
 
 
 def test_config_refuses_shared_prompt_on_megatron():
