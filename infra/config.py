@@ -265,6 +265,8 @@ class RewardConfig(_Section):
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a response longer than `rollout.max_new_tokens` minus this many tokens loses reward linearly, down to `overlong_penalty` at the cap; 0 = off. Applied by the trainer before the advantages (`reward/shaping_mean`). verl: `reward_model.overlong_buffer.len`."""
     overlong_penalty: float = Field(1.0, ge=0)
     """Reward lost by a response that reaches the cap (`overlong_buffer_tokens`). verl: `reward_model.overlong_buffer.penalty_factor`."""
+    numeric_closeness: float = Field(0.0, ge=0, lt=1)
+    """Partial credit kappa for a wrong numeric answer, training rewards only (`verifier: reasoning_gym`): it scores as if the task gave kappa * max(0, 1 - |answer - gold| / max(|gold|, 1)), so a group whose answers are all wrong still ranks them by how far off they are; held-out accuracy stays exact. 0 = off. No anchor has the key: verl and TRL take a custom reward function for this."""
 
 
 class EvaluationConfig(_Section):

@@ -56,6 +56,7 @@ class VerifierPool:
         correct: float,
         incorrect: float,
         run_python: Callable[..., Any] | None = None,
+        closeness: float = 0.0,
     ):
         self.spec, self.workers, self.timeout_s = spec, workers, timeout_s
         self.correct, self.incorrect = correct, incorrect
@@ -66,7 +67,11 @@ class VerifierPool:
         self.inline = spec == "builtin" and workers == 1
         self.threads = run_python is not None
         self.verifier = load_verifier(
-            spec, correct_reward=correct, incorrect_reward=incorrect, run_python=run_python
+            spec,
+            correct_reward=correct,
+            incorrect_reward=incorrect,
+            run_python=run_python,
+            numeric_closeness=closeness,
         )
         self._threads: cf.ThreadPoolExecutor | None = None
         self._pool: CallPool | None = None
@@ -78,6 +83,7 @@ class VerifierPool:
                 spec,
                 correct_reward=correct,
                 incorrect_reward=incorrect,
+                numeric_closeness=closeness,
             )
 
     def score(self, rows: list[dict[str, Any]], texts: list[str]) -> list[float]:
@@ -169,6 +175,7 @@ class RewardRole(Role):
             config.reward.verifier,
             correct_reward=config.reward.correct_reward,
             incorrect_reward=config.reward.incorrect_reward,
+            numeric_closeness=config.reward.numeric_closeness,
         )
         self.reader = self.stream_reader(ROLLOUTS, consumer="reward")
         self.writer = self.stream_writer(SCORED, writer_id="reward")
@@ -217,6 +224,7 @@ class RewardRole(Role):
             cfg.reward.correct_reward,
             cfg.reward.incorrect_reward,
             run_python=sandbox.run_python if sandbox is not None else None,
+            closeness=cfg.reward.numeric_closeness,
         )
 
         def score(ref: ShardRef, table: pa.Table) -> None:

@@ -100,6 +100,7 @@ class SyncRole(TrainingRole):
             cfg.reward.verifier,
             correct_reward=cfg.reward.correct_reward,
             incorrect_reward=cfg.reward.incorrect_reward,
+            numeric_closeness=cfg.reward.numeric_closeness,
         )
         adapter = model_dir / ADAPTER_DIR  # a resumed LoRA run: its base, then the adapter
         engine = InferenceEngine(

@@ -8,6 +8,7 @@ different fix than one that writes wrong answers).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Literal
@@ -72,6 +73,24 @@ def extract_answer(text: str, extraction: str) -> str | None:
     if not isinstance(text, str):
         return None
     return EXTRACTORS[extraction](text)
+
+
+def numeric_closeness(answer: str, gold: str) -> float:
+    """How near a numeric answer is to the gold one, in [0, 1]: 1 − |a − g| / max(|g|, 1),
+    floored at 0; 0 when either is not a finite number.
+
+    The error is relative to the gold answer's size, so one wrong digit in a units place
+    costs about as much in a two-digit answer as in a three-digit one: gold −4, answer
+    −5 → 1 − 1/4 = 0.75; gold 111, answer 121 → 1 − 10/111 ≈ 0.910; gold 0, answer 2 →
+    1 − 2/1 → 0; a sign error (gold 5, answer −5) → 1 − 10/5 → 0.
+    """
+    try:
+        a, g = float(answer), float(gold)
+    except (TypeError, ValueError):
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(g)):
+        return 0.0
+    return max(0.0, 1.0 - abs(a - g) / max(abs(g), 1.0))
 
 
 def format_answer(answer: str, extraction: str) -> str:

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sluice.engines.env.answers import extract_answer
+from sluice.engines.env.answers import numeric_closeness as closeness_of
 from sluice.engines.env.problems.base import Problem, PromptRow
 from sluice.engines.env.problems.longtail import LongTailSum
 from sluice.engines.env.problems.registry import BUILTIN_PROBLEMS
@@ -310,12 +312,17 @@ def code_verifier(
 # ------------------------------------------------------------------ reasoning-gym
 
 
-def reasoning_gym_verifier(scale: RewardScale = RewardScale(), timeout_s: float = 10.0) -> Verifier:
+def reasoning_gym_verifier(
+    scale: RewardScale = RewardScale(), timeout_s: float = 10.0, closeness: float = 0.0
+) -> Verifier:
     """The reasoning-gym task's own score of the row's extracted answer.
 
     A task's score s in [0, 1] (partial credit where the task gives it) maps to
     ``incorrect + s * (correct - incorrect)``, plus the row's format reward when the
-    answer was found in the expected format. An unparsable response scores the
+    answer was found in the expected format. With `closeness` κ in (0, 1), a numeric
+    answer the task scores below κ·c instead scores s = κ·c, c its `numeric_closeness`
+    to the row's answer (`reward.numeric_closeness`): partial credit for wrong answers
+    by how far off they are, always below a right one's. An unparsable response scores the
     incorrect reward as ``Score(..., "unparsed")``; a checker that raises or runs past
     `timeout_s` (the reward pool's deadline applies on top) as ``"error"`` or
     ``"timeout"``.
@@ -350,6 +357,10 @@ def reasoning_gym_verifier(scale: RewardScale = RewardScale(), timeout_s: float 
             return Score(scale.incorrect, "error")
         if outcome is not None:
             return Score(scale.incorrect, outcome)
+        if closeness > 0 and score < 1:
+            answer = extract_answer(response_text, str(row[ROW_KEY].get("extraction")))
+            near = closeness_of(answer or "", str(row.get("answer")))
+            score = max(score, closeness * near)
         bonus = float(row[ROW_KEY].get("format_reward") or 0.0)
         return scale.incorrect + score * (scale.correct - scale.incorrect) + bonus
 
@@ -394,9 +405,13 @@ def load_verifier(
     timeout_s: float = 10.0,
     memory_mb: int = 512,
     run_python: Callable[..., SandboxResult] | None = None,
+    numeric_closeness: float = 0.0,
 ) -> Verifier:
     """A verifier from `spec`: "builtin", "math", "code", "reasoning_gym" or
     "package.module:function".
+
+    `numeric_closeness` (κ in [0, 1)) is the reasoning_gym verifier's partial credit for
+    wrong numeric answers (see `reasoning_gym_verifier`); other specs refuse a non-zero κ.
 
     `run_python` is the sandbox the `code` verifier runs code in (default: the process
     sandbox).
@@ -406,6 +421,11 @@ def load_verifier(
     """
     if not math.isfinite(correct_reward) or not math.isfinite(incorrect_reward):
         raise VerifierSpecError("correct_reward and incorrect_reward must be finite numbers")
+    if not 0.0 <= numeric_closeness < 1.0:
+        raise VerifierSpecError(
+            f"numeric_closeness={numeric_closeness} must be in [0, 1): a wrong answer's "
+            "partial credit stays below a right one's"
+        )
     scale = RewardScale(correct=correct_reward, incorrect=incorrect_reward)
     if not isinstance(spec, str) or not spec.strip():
         raise VerifierSpecError(
@@ -413,12 +433,17 @@ def load_verifier(
             "'package.module:function'"
         )
     spec = spec.strip()
+    if numeric_closeness and spec != "reasoning_gym":
+        raise VerifierSpecError(
+            f"numeric_closeness={numeric_closeness} is partial credit of the reasoning_gym "
+            f"verifier; verifier '{spec}' scores without it"
+        )
     if spec == "builtin":
         return builtin_verifier(scale)
     if spec == "math":
         return math_verifier(scale, timeout_s=timeout_s)
     if spec == "reasoning_gym":
-        return reasoning_gym_verifier(scale, timeout_s=timeout_s)
+        return reasoning_gym_verifier(scale, timeout_s=timeout_s, closeness=numeric_closeness)
     if spec == "code":
         return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb, run_python=run_python)
     module_name, sep, attr = spec.partition(":")
