@@ -389,6 +389,10 @@ class RunConfig(BaseModel):
                 "problem.name=reasoning_gym is scored by reward.verifier=reasoning_gym "
                 f"(not {self.reward.verifier})"
             )
+        if self.reward.numeric_closeness and self.reward.verifier != "reasoning_gym":
+            raise ValueError(
+                f"reward.numeric_closeness is partial credit of reward.verifier=reasoning_gym, not {self.reward.verifier}"
+            )
         return self
 
     @model_validator(mode="after")

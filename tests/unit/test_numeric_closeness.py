@@ -89,3 +89,11 @@ def test_bad_kappas_and_other_verifiers_are_refused():
         load_verifier("builtin", numeric_closeness=0.3)
     with pytest.raises(ConfigError, match="numeric_closeness"):
         load_config("reasoning_gym", ["reward.numeric_closeness=1.5"])
+    with pytest.raises(
+        ConfigError, match="partial credit of reward.verifier=reasoning_gym, not builtin"
+    ):
+        load_config("default", ["reward.numeric_closeness=0.3"])
+    assert (
+        load_config("reasoning_gym", ["reward.numeric_closeness=0.3"]).reward.numeric_closeness
+        == 0.3
+    )
