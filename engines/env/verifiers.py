@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sluice.engines.env.answers import extract_answer
 from sluice.engines.env.answers import numeric_closeness as closeness_of
 from sluice.engines.env.problems.base import Problem, PromptRow
 from sluice.engines.env.problems.longtail import LongTailSum
@@ -331,7 +330,7 @@ def reasoning_gym_verifier(
     # verifier, not within its first call's deadline.
     import reasoning_gym  # noqa: F401
 
-    from sluice.engines.env.problems.reasoning_gym import ROW_KEY, score_response
+    from sluice.engines.env.problems.reasoning_gym import ROW_KEY, response_answer, score_response
 
     def verify_reasoning_gym(row: PromptRow, response_text: str) -> float:
         if not isinstance(row.get(ROW_KEY), dict):
@@ -358,8 +357,7 @@ def reasoning_gym_verifier(
         if outcome is not None:
             return Score(scale.incorrect, outcome)
         if closeness > 0 and score < 1:
-            answer = extract_answer(response_text, str(row[ROW_KEY].get("extraction")))
-            near = closeness_of(answer or "", str(row.get("answer")))
+            near = closeness_of(response_answer(row, response_text) or "", str(row.get("answer")))
             score = max(score, closeness * near)
         bonus = float(row[ROW_KEY].get("format_reward") or 0.0)
         return scale.incorrect + score * (scale.correct - scale.incorrect) + bonus

@@ -94,6 +94,11 @@ def dataset_for(name: str, seed: int, size: int, settings: Mapping[str, Any]) ->
     return _dataset(name, int(seed), int(size), json.dumps(dict(settings), sort_keys=True))
 
 
+def response_answer(row: PromptRow, response_text: str) -> str | None:
+    """The answer of a response to a reasoning-gym row, read in the row's format."""
+    return extract_answer(response_text, str(row[ROW_KEY].get("extraction", "answer_tags")))
+
+
 def score_response(row: PromptRow, response_text: str) -> tuple[float, str | None]:
     """(score in [0, 1], outcome) of a response to a reasoning-gym row.
 
@@ -103,7 +108,7 @@ def score_response(row: PromptRow, response_text: str) -> tuple[float, str | Non
     fields, another reasoning-gym version).
     """
     spec = row[ROW_KEY]
-    answer = extract_answer(response_text, str(spec.get("extraction", "answer_tags")))
+    answer = response_answer(row, response_text)
     if answer is None:
         return 0.0, "unparsed"
     dataset = dataset_for(spec["dataset"], spec["seed"], spec["size"], spec.get("settings", {}))
