@@ -24,7 +24,12 @@ from sluice.infra.config_overrides import (
     format_validation_error,
     read_config_file,
 )
-from sluice.infra.problem_config import HumanEvalConfig, ReasoningGymConfig, check_verifier
+from sluice.infra.problem_config import (
+    CurriculumStage,
+    HumanEvalConfig,
+    ReasoningGymConfig,
+    check_verifier,
+)
 from sluice.infra.problem_config import Section as _Section
 from sluice.infra.run_modes import Mode, apply_mode, dotted_keys
 from sluice.infra.tracking_config import TrackingConfig
@@ -88,15 +93,6 @@ class ModelConfig(_Section):
     """Stop the warm start once greedy held-out accuracy reaches this (leave RL room to climb)."""
 
 
-class CurriculumStage(_Section):
-    """One stage of a curriculum over problem size (`problem.curriculum`)."""
-
-    until_step: int = Field(ge=1)
-    """The stage holds for the prompts of training steps before this one: group n belongs to step n // `trainer.prompts_per_batch` (with dynamic sampling the groups run ahead of the steps, so a stage ends sooner in steps)."""
-    max_terms: int = Field(ge=1)
-    """Largest problem size (a row's `num_terms`: the built-in `longtail_sum`, reasoning-gym's `chain_sum` and `basic_arithmetic`) a training prompt of this stage may have; larger ones are drawn again."""
-
-
 class ProblemConfig(_Section):
     """What the policy is asked to solve."""
 
@@ -109,7 +105,9 @@ class ProblemConfig(_Section):
     humaneval: HumanEvalConfig = HumanEvalConfig()
     """Extraction, instruction and held-out split of `name: humaneval` (docs/configuration.md)."""
     curriculum: list[CurriculumStage] = []
-    """Training prompts from small problems first: stages in order of `until_step`, each capping the size of the training prompts drawn for its steps; after the last stage, the whole mix. The held-out prompts are always the whole mix. Empty = no curriculum. (verl and TRL leave curricula to the dataset; reasoning-gym ships per-task curricula of the same kind.)"""
+    """Training prompts from small problems first: stages in order of `until_step`, each bounding the size of the training prompts drawn for its steps; after the last stage, the whole mix. The held-out prompts are always the whole mix. Empty = no curriculum. (verl and TRL leave curricula to the dataset; reasoning-gym ships per-task curricula of the same kind.)"""
+    curriculum_clock: Literal["issued", "trained"] = "issued"
+    """What a stage's `until_step` counts. `issued`: a group's issue number // `trainer.prompts_per_batch`, the same prompts on every run of a seed. `trained`: the policy version generating the group, i.e. trained steps, so a stage lasts as written even when dynamic sampling draws several groups per kept one. The sync flow's step is both."""
 
     @model_validator(mode="after")
     def _reasoning_gym_tasks(self) -> ProblemConfig:

@@ -103,6 +103,26 @@ class ReasoningGymConfig(Section):
         return self
 
 
+class CurriculumStage(Section):
+    """One stage of a curriculum over problem size (`problem.curriculum`)."""
+
+    until_step: int = Field(ge=1)
+    """The stage holds for the prompts of training steps before this one, counted as `problem.curriculum_clock` says."""
+    max_terms: int = Field(ge=1)
+    """Largest problem size (a row's `num_terms`: the built-in `longtail_sum`, reasoning-gym's `chain_sum` and `basic_arithmetic`) a training prompt of this stage may have; larger ones are drawn again."""
+    min_terms: int = Field(1, ge=1)
+    """Smallest problem size a training prompt of this stage may have; smaller ones are drawn again (e.g. a stage of only the hard prompts once the small ones are learnt)."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> CurriculumStage:
+        if self.min_terms > self.max_terms:
+            raise ValueError(
+                f"problem.curriculum: a stage's min_terms ({self.min_terms}) is above its "
+                f"max_terms ({self.max_terms})"
+            )
+        return self
+
+
 class HumanEvalConfig(Section):
     """HumanEval's 164 problems, scored by their unit tests (used when `problem.name` is `humaneval`)."""
 

@@ -195,7 +195,7 @@ class RolloutRole(Role):
         return self.current.policy_version if self.current else 0
 
     async def generate_group(self, client: InferenceClient, index: int) -> list[TrajectoryRow]:
-        row, prompt_ids = self.prompts.train_prompt(index)
+        row, prompt_ids = self.prompts.train_prompt(index, self.served_version)
         cfg = self.config.rollout
         sampling = {
             "max_new_tokens": cfg.max_new_tokens,

@@ -57,14 +57,14 @@ def step_requests(
     """Step `step`'s B prompt groups x G samples: (group index, prompt row, prompt ids) and
     the seeded generation request of every response, in the same order.
 
-    `source` is the run's `PromptSource` (anything with `train_prompt(index)` and
+    `source` is the run's `PromptSource` (anything with `train_prompt(index, version)` and
     `stop_token_ids`, the policy's end tokens).
     """
     B, G = config.trainer.prompts_per_batch, config.rollout.group_size
     rollout = config.rollout
     prompts, requests = [], []
     for g in range(step * B, (step + 1) * B):
-        row, ids = source.train_prompt(g)
+        row, ids = source.train_prompt(g, step)
         for k in range(G):
             prompts.append((g, row, ids))
             requests.append(

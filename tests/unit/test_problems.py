@@ -280,3 +280,51 @@ def test_a_curriculum_caps_the_size_of_each_steps_prompts_and_then_opens_the_mix
     sizeless.set_tokenizer(load_policy_tokenizer(tiny_dir))
     with pytest.raises(ValueError, match="rows have none"):
         sizeless.train_prompt(0)
+
+
+def test_a_trained_step_curriculum_follows_the_answering_policy_and_min_terms_bounds_below(
+    tmp_path, tiny_dir, local_run_config
+):
+    from sluice.infra.config import ConfigError
+    from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
+
+    # Stage 1 (versions 0-1): 2 terms at most; stage 2 (versions 2-3): 3 or 4 terms only.
+    stages = "[{until_step: 2, max_terms: 2}, {until_step: 4, min_terms: 3, max_terms: 4}]"
+    config = local_run_config(
+        tmp_path,
+        "trainer.prompts_per_batch=2",
+        f"problem.curriculum={stages}",
+        "problem.curriculum_clock=trained",
+    )
+    source = PromptSource(config)
+    source.set_tokenizer(load_policy_tokenizer(tiny_dir))
+
+    def sizes(version: int | None) -> list[int]:
+        return [source.train_prompt(i, version)[0]["num_terms"] for i in range(100, 140)]
+
+    # Groups 100-139 are step 50 and beyond by issue number, yet version 1 answers them:
+    # the first stage holds. Version 3 draws only 3-4 terms; version 4 the whole mix.
+    assert max(sizes(1)) <= 2
+    assert set(sizes(3)) == {3, 4}
+    whole = sizes(4)
+    assert min(whole) < 3 and max(whole) > 4
+    # Without a version (or with the issued clock) the issue number decides: the mix.
+    assert sizes(None) == whole
+    issued = PromptSource(local_run_config(tmp_path, f"problem.curriculum={stages}"))
+    issued.set_tokenizer(load_policy_tokenizer(tiny_dir))
+    assert [issued.train_prompt(i, 1)[0]["num_terms"] for i in range(100, 140)] == whole
+
+    with pytest.raises(ConfigError, match=r"min_terms \(5\) is above its max_terms \(4\)"):
+        local_run_config(
+            tmp_path, "problem.curriculum=[{until_step: 2, min_terms: 5, max_terms: 4}]"
+        )
+    with pytest.raises(ConfigError, match="curriculum_clock"):
+        local_run_config(tmp_path, "problem.curriculum_clock=wall")
+    none_that_big = PromptSource(
+        local_run_config(
+            tmp_path, "problem.curriculum=[{until_step: 2, min_terms: 40, max_terms: 40}]"
+        )
+    )
+    none_that_big.set_tokenizer(load_policy_tokenizer(tiny_dir))
+    with pytest.raises(ValueError, match=r"num_terms outside \[40, 40\]"):
+        none_that_big.train_prompt(0)

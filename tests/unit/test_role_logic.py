@@ -343,7 +343,11 @@ def test_a_restarted_trainer_repairs_a_lagging_alias_and_acks_what_that_version_
 class Prompts:
     stop_token_ids = (2, 5)
 
-    def train_prompt(self, index: int) -> tuple[dict[str, Any], list[int]]:
+    def __init__(self) -> None:
+        self.versions: list[int | None] = []
+
+    def train_prompt(self, index: int, version: int | None = None) -> tuple[dict, list[int]]:
+        self.versions.append(version)
         return {"prompt_id": f"p{index}"}, [index, index + 1]
 
 
@@ -351,8 +355,10 @@ def test_a_sync_step_asks_its_b_groups_g_times_each_with_seeded_samples(config):
     from sluice.tasks.sync import sample_seed, step_requests
 
     config.trainer.prompts_per_batch, config.rollout.group_size, config.seed = 2, 3, 7
-    prompts, requests = step_requests(config, Prompts(), step=4)
+    source = Prompts()
+    prompts, requests = step_requests(config, source, step=4)
     assert [g for g, _, _ in prompts] == [8, 8, 8, 9, 9, 9]
+    assert source.versions == [4, 4]  # the step's policy answers it (a curriculum's clock)
     assert [r.prompt_token_ids for r in requests[::3]] == [[8, 9], [9, 10]]
     assert sample_seed(7, 3, 1) == 7 * 1_000_003 + 3 * 1009 + 1  # the seeds runs were made with
     assert [r.sampling.seed for r in requests[:3]] == [sample_seed(7, 8, k) for k in range(3)]
