@@ -3,7 +3,9 @@
 Group n of a run always asks prompt n (seeded by the run seed and n), so a group that
 was in flight when a process died is re-issued with exactly the same prompt, and two
 runs with the same seed see the same prompts in the same order (η=0 vs η=4 compare
-like with like).
+like with like). The one exception is a curriculum counted in trained steps
+(`problem.curriculum_clock: trained`): there the policy version answering a group picks
+its stage, so a group re-issued across a stage's end asks a prompt of the next stage.
 """
 
 from __future__ import annotations
