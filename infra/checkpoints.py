@@ -31,7 +31,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -55,6 +56,9 @@ MANIFEST_FORMAT = "sluice-checkpoint"
 MANIFEST_FORMAT_VERSION = 1
 # 8 MiB reads keep hashing at disk speed without holding a whole shard in memory.
 _CHUNK_BYTES = 8 * 1024 * 1024
+# Files hashed (and linked) at once: hashlib and fsync release the GIL, so a version's
+# files (a policy shard, the optimizer state's parts) take about as long as the largest.
+_PARALLEL_FILES = 8
 # Temp files of sluice.infra.storage, and those older Sluice versions named after the manifest.
 _TEMP_PREFIXES = (TEMP_PREFIX, f".{MANIFEST_NAME}.tmp-")
 
@@ -202,8 +206,22 @@ def _source_files(local_dir: Path) -> list[tuple[str, Path]]:
     return files
 
 
+def _each_file(
+    work: Callable[[tuple[str, Path]], Any], files: list[tuple[str, Path]]
+) -> Iterator[Any]:
+    """`work` on every file, several at a time; results in the order of `files`, the
+    first error raised once every started file has finished."""
+    workers = min(len(files), _PARALLEL_FILES, os.cpu_count() or 1)
+    if workers <= 1:
+        yield from map(work, files)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-file") as pool:
+        results: Iterable[Any] = pool.map(work, files)
+        yield from results
+
+
 def _manifest_of(files: list[tuple[str, Path]], metadata: Mapping[str, Any] | None) -> Manifest:
-    entries = [_hash_file(full, rel) for rel, full in files]
+    entries = list(_each_file(lambda file: _hash_file(file[1], file[0]), files))
     return Manifest(
         created_at_unix_s=time.time(),
         files=tuple(entries),
@@ -326,11 +344,17 @@ def _put_files(
     with `link`, hard-link each where the store allows it (`link_file`) instead.
 
     `stamps` are (size, mtime) taken before the files were hashed: a file written to
-    while it was hashed or uploaded would not match its manifest entry.
+    while it was hashed or uploaded would not match its manifest entry. Links (each an
+    fsync of its source) are made several at a time; uploads and copies one by one.
     """
-    for index, (rel, full) in enumerate(files):
+
+    def put(file: tuple[str, Path]) -> None:
+        rel, full = file
         if not (link and link_file(fs, full, f"{root}/{rel}")):
             put_file(fs, full, f"{root}/{rel}")
+
+    done = _each_file(put, files) if link else map(put, files)
+    for index, _ in enumerate(done):
         if index == 0:
             failpoint("checkpoint.mid_upload")
     for (_rel, full), stamp in zip(files, stamps, strict=True):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -198,20 +199,29 @@ class TrainingRole(Role):
         options = self.config.storage.options
         # Durable before the commit: a resume from this version reads them.
         # The trainer wrote both folders fresh for this version and never rewrites them:
-        # on a local disk they are linked into storage, not copied.
-        save_checkpoint(
-            saved.trainer_state, self.paths.trainer_state(version), options, replace=True, link=True
-        )
-        if consumed is not None:
-            write_consumed(self.config, self.paths, version, consumed, next_group)
-        if is_adapter_dir(saved.policy):  # a LoRA version names the base it applies to
-            if self._base_reference is None:
-                self._base_reference = base_reference(self.config, self.registry)
-            write_base_reference(saved.policy, self._base_reference)
-            tags = {**tags, "lora.base_digest": self._base_reference["base_digest"]}
-        uri = save_checkpoint(
-            saved.policy, self.paths.checkpoint(version), options, replace=True, link=True
-        )
+        # on a local disk they are linked into storage, not copied. The trainer state
+        # (twice the weights) is saved beside the policy, not before it: hashing and
+        # fsync release the GIL, so the commit waits for the larger of the two.
+        with ThreadPoolExecutor(1, thread_name_prefix="trainer-state") as pool:
+            state = pool.submit(
+                save_checkpoint,
+                saved.trainer_state,
+                self.paths.trainer_state(version),
+                options,
+                replace=True,
+                link=True,
+            )
+            if consumed is not None:
+                write_consumed(self.config, self.paths, version, consumed, next_group)
+            if is_adapter_dir(saved.policy):  # a LoRA version names the base it applies to
+                if self._base_reference is None:
+                    self._base_reference = base_reference(self.config, self.registry)
+                write_base_reference(saved.policy, self._base_reference)
+                tags = {**tags, "lora.base_digest": self._base_reference["base_digest"]}
+            uri = save_checkpoint(
+                saved.policy, self.paths.checkpoint(version), options, replace=True, link=True
+            )
+            state.result()
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
         )

@@ -63,8 +63,10 @@ from sluice.engines.rl.trainer_files import (
     RNG_STATE_FILE,
     TRAINER_STATE_FILE,
     deferred_save,
+    load_optimizer_state,
     move_trainer_state,
     read_tokenizer_files,
+    save_optimizer_state,
     write_tokenizer_files,
 )
 
@@ -160,7 +162,7 @@ class PolicyTrainer(LogprobPasses):
         )
 
     def _load_optimizer_state(self, path: Path) -> None:
-        self.optimizer.load_state_dict(torch.load(path, map_location=self.device))
+        self.optimizer.load_state_dict(load_optimizer_state(path, self.device))
 
     def _logits(self, packed: PackedBatch) -> torch.Tensor:
         """Logits of a packed row under the current weights: ``[rows, vocab]`` at
@@ -443,5 +445,5 @@ class PolicyTrainer(LogprobPasses):
         else:
             self.model.save_pretrained(out, safe_serialization=True)
         if include_optimizer:
-            torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+            save_optimizer_state(self.optimizer.state_dict(), out)
         return True

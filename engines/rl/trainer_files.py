@@ -3,18 +3,26 @@ the trainer state that only a resuming trainer reads.
 
 `PolicyTrainer.save` writes a Hugging Face directory (config, weights, tokenizer) and the
 trainer state: the optimizer (AdamW moments, twice the weights; the Megatron backend
-writes one file per model-parallel shard), the minibatch RNG and ``trainer_state.json``
-(steps done, backend, policy version). Sluice publishes the two apart, so that readers
+writes one file per model-parallel shard; the torch backend splits a large state into
+parts), the minibatch RNG and ``trainer_state.json`` (steps done, backend, policy version). Sluice publishes the two apart, so that readers
 of a version never fetch optimizer bytes (tasks/run/versions.py).
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_PART_BYTES = 256 << 20
+"""The torch backend's optimizer state goes into parts of about this size
+(``optimizer.pt``, then ``optimizer.part1.pt``, ...): written, hashed and made durable
+side by side, a version's trainer state takes about as long as its largest part rather
+than the sum (SmolLM2-135M's AdamW moments, 1.08 GB, are five parts)."""
+PARTS_KEY = "sluice_parts"
+"""In ``optimizer.pt`` of a state written in parts: how many parts there are."""
 TRAINER_STATE_FILE = "trainer_state.json"
 RNG_STATE_FILE = "trainer_rng.pt"
 ADAPTER_DIR = "adapter"
@@ -68,6 +76,76 @@ def is_trainer_state_file(name: str) -> bool:
     stem = OPTIMIZER_FILE.removesuffix(".pt")
     optimizer = base == OPTIMIZER_FILE or (base.startswith(f"{stem}.") and base.endswith(".pt"))
     return optimizer or base in (RNG_STATE_FILE, TRAINER_STATE_FILE)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.element_size()) * int(value.numel())
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def optimizer_parts(state: dict[str, Any], part_bytes: int | None = None) -> list[dict[str, Any]]:
+    """An optimizer ``state_dict`` as the parts ``save_optimizer_state`` writes: its
+    per-parameter states in order, in ceil(bytes / ``part_bytes``) parts of about equal
+    bytes (a new part once one holds its share); the first
+    part carries the rest of the dict (``param_groups``) and, if there are more, their
+    number under ``PARTS_KEY``. A state under ``part_bytes`` (default
+    ``OPTIMIZER_PART_BYTES``) is one part, unchanged."""
+    limit = OPTIMIZER_PART_BYTES if part_bytes is None else part_bytes
+    per_parameter = state.get("state", {})
+    total = sum(_tensor_bytes(value) for value in per_parameter.values())
+    target = total / max(1, -(-total // limit))  # as many parts as needed, evened out
+    groups: list[dict[Any, Any]] = [{}]
+    size = 0
+    for key, value in per_parameter.items():
+        if size >= target:
+            groups.append({})
+            size = 0
+        groups[-1][key] = value
+        size += _tensor_bytes(value)
+    if len(groups) == 1:
+        return [state]
+    first = {**state, "state": groups[0], PARTS_KEY: len(groups)}
+    return [first, *({"state": group} for group in groups[1:])]
+
+
+def optimizer_part_file(index: int) -> str:
+    return OPTIMIZER_FILE if index == 0 else OPTIMIZER_FILE.replace(".pt", f".part{index}.pt")
+
+
+def save_optimizer_state(state: dict[str, Any], out: Path) -> None:
+    """Write an optimizer ``state_dict`` into ``out`` in parts, several at a time."""
+    import torch
+
+    parts = optimizer_parts(state)
+    with ThreadPoolExecutor(min(len(parts), 8), thread_name_prefix="optimizer-part") as pool:
+        writes = [
+            pool.submit(torch.save, part, out / optimizer_part_file(index))
+            for index, part in enumerate(parts)
+        ]
+        for write in writes:
+            write.result()
+
+
+def load_optimizer_state(path: Path, map_location: Any) -> dict[str, Any]:
+    """The ``state_dict`` that ``save_optimizer_state`` wrote to ``path`` (its
+    ``optimizer.pt``) and the parts beside it; a missing part is an error, never a
+    silently shorter state."""
+    import torch
+
+    state = torch.load(path, map_location=map_location)
+    count = int(state.pop(PARTS_KEY, 1))
+    for index in range(1, count):
+        part = path.parent / optimizer_part_file(index)
+        if not part.is_file():
+            raise FileNotFoundError(
+                f"{str(path.parent)!r} holds optimizer state in {count} parts but not "
+                f"{part.name}: the trainer state is incomplete"
+            )
+        state["state"].update(torch.load(part, map_location=map_location)["state"])
+    return state
 
 
 def move_trainer_state(saved: Path, state_dir: Path) -> None:
@@ -128,8 +206,12 @@ def deferred_save(
     ) -> Path:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out, state_dict=weights, safe_serialization=True)
-        torch.save(optimizer_state, out / OPTIMIZER_FILE)
+        with ThreadPoolExecutor(1, thread_name_prefix="weights") as pool:  # beside the parts
+            written = pool.submit(
+                model.save_pretrained, out, state_dict=weights, safe_serialization=True
+            )
+            save_optimizer_state(optimizer_state, out)
+            written.result()
         state = out if state_dir is None else Path(state_dir)
         if state != out:
             move_trainer_state(out, state)
