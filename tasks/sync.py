@@ -191,7 +191,7 @@ class SyncRole(TrainingRole):
                     "train/idle_ratio": generate_s / elapsed,  # the trainer waits while generating
                     "rollout/longest_over_mean_length": longest / max(1.0, mean),
                     "rollout/generate_time_s": step_generate_s,
-                    **({"train/commit_s": self.last_commit_s} if self.last_commit_s else {}),
+                    **self.last_commit_parts,  # train/commit_s and its parts
                 }
             )
             background.submit(

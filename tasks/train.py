@@ -118,6 +118,9 @@ class TrainRole(TrainingRole):
         trainer-side cost of a fast weight path)."""
         self.last_write_s: float | None = None
         """Seconds the newest deferred checkpoint write took (off the critical path)."""
+        self.last_publish_parts: dict[str, float] = {}
+        """Of the newest publish on the critical path: the wait for the version before
+        (``train/publish_wait_s``) and the copy to host memory (``train/host_copy_s``)."""
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
@@ -239,13 +242,18 @@ class TrainRole(TrainingRole):
         retrains them from the previous version (never committed) or acks them on
         restart (`reconcile_ledger`), as before.
         """
+        started = time.monotonic()
         self.finish_publish()
+        waited = time.monotonic()
         local = self.local_root / f"v{version:06d}"
         deferred = (
             save_version_later(trainer, local, version)
             if self.config.trainer.background_save
             else None
         )
+        self.last_publish_parts = {"train/publish_wait_s": waited - started}
+        if deferred is not None:
+            self.last_publish_parts["train/host_copy_s"] = time.monotonic() - waited
         on_gpu = next(trainer.model.parameters()).is_cuda
         if deferred is None or on_gpu:
             # On a GPU the sender's copy stays on it (NCCL, CUDA IPC): a device copy.
@@ -416,8 +424,7 @@ class TrainRole(TrainingRole):
             metrics["train/idle_ratio"] = waited_total / max(1e-9, elapsed)
             metrics["train/effective_tokens_per_s"] = trained_tokens_total / max(1e-9, elapsed)
             metrics["train/wall_time_s"] = elapsed
-            if self.last_commit_s is not None:
-                metrics["train/commit_s"] = self.last_commit_s
+            metrics.update(self.last_commit_parts)  # train/commit_s and its parts
             rollout_status = read_statuses(cfg, self.paths).get("rollout", {})
             for key in ("tokens_per_s", "idle_ratio", "partial_rollout_ratio", "weight_updates"):
                 if key in rollout_status:
@@ -432,6 +439,7 @@ class TrainRole(TrainingRole):
                 stall = time.monotonic()
                 self.publish(trainer, version, unpublished, tags)
                 metrics["train/publish_stall_s"] = time.monotonic() - stall
+                metrics.update(self.last_publish_parts)
                 if self.last_offer_s is not None:
                     metrics["train/weight_offer_s"] = self.last_offer_s
                 if self.last_write_s is not None:

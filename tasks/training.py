@@ -136,6 +136,11 @@ class TrainingRole(Role):
     last_commit_s: float | None = None
     """How long the latest upload + registry commit took (what a version waits before
     the rollout can see it)."""
+    last_commit_parts: dict[str, float] = {}
+    """The same as ``train/commit_s`` with, of it, each checkpoint's save
+    (``train/commit_state_s``, ``commit_policy_s``: side by side, so the longer one is
+    what the commit waited for); swapped in whole, so a reader on another thread never
+    mixes two versions."""
 
     def claim_run(self) -> None:
         """Hold the run's trainer lease (`LeaseHeld` if a live trainer has it), renewed
@@ -202,15 +207,20 @@ class TrainingRole(Role):
         # on a local disk they are linked into storage, not copied. The trainer state
         # (twice the weights) is saved beside the policy, not before it: hashing and
         # fsync release the GIL, so the commit waits for the larger of the two.
-        with ThreadPoolExecutor(1, thread_name_prefix="trainer-state") as pool:
-            state = pool.submit(
-                save_checkpoint,
+        parts: dict[str, float] = {}
+
+        def save_state() -> None:
+            save_checkpoint(
                 saved.trainer_state,
                 self.paths.trainer_state(version),
                 options,
                 replace=True,
                 link=True,
             )
+            parts["train/commit_state_s"] = time.monotonic() - started
+
+        with ThreadPoolExecutor(1, thread_name_prefix="trainer-state") as pool:
+            state = pool.submit(save_state)
             if consumed is not None:
                 write_consumed(self.config, self.paths, version, consumed, next_group)
             if is_adapter_dir(saved.policy):  # a LoRA version names the base it applies to
@@ -221,11 +231,13 @@ class TrainingRole(Role):
             uri = save_checkpoint(
                 saved.policy, self.paths.checkpoint(version), options, replace=True, link=True
             )
+            parts["train/commit_policy_s"] = time.monotonic() - started
             state.result()
         self.registry.commit(
             version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
         )
         self.last_commit_s = time.monotonic() - started
+        self.last_commit_parts = {**parts, "train/commit_s": self.last_commit_s}
         self.retention.after_commit(version)
         return uri
 

@@ -56,6 +56,18 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     assert steps == [1, 2, 3]
     for key in ("staleness/max", "mismatch/kl_k3", "train/idle_ratio", "loss/clip_fraction"):
         assert len(get_metric_history(config.tracking.uri, result["mlflow_run_id"], key)) == 3, key
+
+    # Where a publish went: each part no longer than the whole it is a part of.
+    def series(key: str) -> dict[int, float]:
+        return dict(get_metric_history(config.tracking.uri, result["mlflow_run_id"], key))
+
+    stall, wait = series("train/publish_stall_s"), series("train/publish_wait_s")
+    assert sorted(stall) == sorted(wait) == [1, 2, 3]
+    assert all(wait[step] <= stall[step] for step in stall)
+    commit = series("train/commit_s")  # logged once a commit has finished: from step 2 or 3
+    state_s, policy_s = series("train/commit_state_s"), series("train/commit_policy_s")
+    assert commit and sorted(commit) == sorted(state_s) == sorted(policy_s)
+    assert all(max(state_s[step], policy_s[step]) <= commit[step] for step in commit)
     staleness = get_metric_history(config.tracking.uri, result["mlflow_run_id"], "staleness/max")
     assert all(value <= config.staleness.max_staleness for _, value in staleness)
     held_out = get_metric_history(config.tracking.uri, result["mlflow_run_id"], "eval/reward")

@@ -20,9 +20,11 @@ reads them:
   processes), and the largest process;
 - where a trainer step goes (a second table, medians over the steps): MLflow
   `train/step_time_s` (the optimizer work), `train/proximal_time_s`,
-  `train/publish_stall_s` (the trainer waiting to publish: the previous version's
-  durable write and commit, then the host copy), and on the background thread
-  `train/checkpoint_write_s` and `train/commit_s` (upload and registry commit).
+  `train/publish_stall_s` (the trainer waiting to publish: `publish_wait_s` for the
+  previous version's durable write and commit, then `host_copy_s`), and on the
+  background thread `train/checkpoint_write_s` and `train/commit_s` (upload and registry
+  commit; of it, the trainer state's save and the policy's, side by side:
+  `commit_state_s`, `commit_policy_s`).
 
     python tests/gpu/device_report.py --run async=DIR [--run sync=DIR] [--gpu async=FILE]
 """
@@ -37,7 +39,17 @@ from pathlib import Path
 from typing import Any
 
 NOTHING = "-"
-STEP_PARTS = ("step_time_s", "proximal_time_s", "publish_stall_s", "checkpoint_write_s", "commit_s")
+STEP_PARTS = (
+    "step_time_s",
+    "proximal_time_s",
+    "publish_stall_s",
+    "publish_wait_s",
+    "host_copy_s",
+    "checkpoint_write_s",
+    "commit_s",
+    "commit_state_s",
+    "commit_policy_s",
+)
 
 
 def run_figures(workdir: Path) -> dict[str, Any]:
