@@ -77,6 +77,8 @@ class RecipeRun:
     step_time_s: float | None = None
     """Mean `train/step_time_s` over the run."""
     wall_s: float | None = None
+    stopped_by: str | None = None
+    """What ended training: ``trainer.total_steps`` (steps done, budget left) or the time budget."""
     error: str | None = None
 
     def within(self) -> list[tuple[float, int, float]]:
@@ -227,6 +229,13 @@ def run_seed(base: Any, scoring: Any, seed: int, label: str) -> RecipeRun:
             config.tracking.uri, outcome["mlflow_run_id"], "train/step_time_s"
         )
         run.step_time_s = sum(v for _, v in steps) / len(steps) if steps else None
+        total = config.trainer.total_steps
+        run.stopped_by = "trainer.total_steps" if len(steps) >= total else "the time budget"
+        print(
+            f"  training stopped by {run.stopped_by}: {len(steps)} of {total} steps; the "
+            f"flow took {run.wall_s / 60:.1f} min (budget {run.budget_s / 60:.1f} min)",
+            flush=True,
+        )
         score_run(with_settings(scoring, {"name": name}), run, started_at)
     except Exception as err:  # one crashed run must not cost the other seeds
         run.wall_s = run.wall_s or time.monotonic() - started
