@@ -4,8 +4,9 @@ the trainer state that only a resuming trainer reads.
 `PolicyTrainer.save` writes a Hugging Face directory (config, weights, tokenizer) and the
 trainer state: the optimizer (AdamW moments, twice the weights; the Megatron backend
 writes one file per model-parallel shard; the torch backend splits a large state into
-parts), the minibatch RNG and ``trainer_state.json`` (steps done, backend, policy version). Sluice publishes the two apart, so that readers
-of a version never fetch optimizer bytes (tasks/run/versions.py).
+parts), the minibatch RNG and ``trainer_state.json`` (steps done, backend, policy
+version). Sluice publishes the two apart, so that readers of a version never fetch
+optimizer bytes (tasks/run/versions.py).
 """
 
 from __future__ import annotations
@@ -89,10 +90,9 @@ def _tensor_bytes(value: Any) -> int:
 def optimizer_parts(state: dict[str, Any], part_bytes: int | None = None) -> list[dict[str, Any]]:
     """An optimizer ``state_dict`` as the parts ``save_optimizer_state`` writes: its
     per-parameter states in order, in ceil(bytes / ``part_bytes``) parts of about equal
-    bytes (a new part once one holds its share); the first
-    part carries the rest of the dict (``param_groups``) and, if there are more, their
-    number under ``PARTS_KEY``. A state under ``part_bytes`` (default
-    ``OPTIMIZER_PART_BYTES``) is one part, unchanged."""
+    bytes (a new part once one holds its share). The first part carries the rest of the
+    dict (``param_groups``) and, if there are more, their number under ``PARTS_KEY``. A
+    state under ``part_bytes`` (default ``OPTIMIZER_PART_BYTES``) is one part, unchanged."""
     limit = OPTIMIZER_PART_BYTES if part_bytes is None else part_bytes
     per_parameter = state.get("state", {})
     total = sum(_tensor_bytes(value) for value in per_parameter.values())
