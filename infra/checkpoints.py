@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -216,8 +216,7 @@ def _each_file(
         yield from map(work, files)
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-file") as pool:
-        results: Iterable[Any] = pool.map(work, files)
-        yield from results
+        yield from pool.map(work, files)
 
 
 def _manifest_of(files: list[tuple[str, Path]], metadata: Mapping[str, Any] | None) -> Manifest:
