@@ -184,15 +184,15 @@ def report_text(runs: Sequence[RecipeRun], target: float, header: str = "") -> s
 
 
 def score_run(scoring: Any, run: RecipeRun, started_at: float) -> None:
-    """Score every version the run kept, then delete its checkpoints."""
+    """Score every version the run kept, deleting each checkpoint once scored; version 0
+    goes last, since a LoRA run's later versions are adapters over it."""
     from sluice.infra.checkpoints import delete_checkpoint
     from sluice.tasks.evaluate import evaluate_checkpoint
     from sluice.tasks.run.paths import run_registry
 
     registry = run_registry(scoring, run.run_id)
-    for committed in registry.versions():
-        if committed.deleted:
-            continue
+    kept = [committed for committed in registry.versions() if not committed.deleted]
+    for committed in kept:
         at_s = committed.created_at_ms / 1000.0 - started_at
         metrics = evaluate_checkpoint(
             scoring, run.run_id, committed.policy_version, committed.checkpoint_uri
@@ -203,8 +203,13 @@ def score_run(scoring: Any, run: RecipeRun, started_at: float) -> None:
             key: value for key, value in metrics.items() if key.startswith("eval/reward_terms_")
         }
         print(f"  v{committed.policy_version} at {at_s / 60:.1f} min: {run.curve[-1][2]:.3f}")
-        delete_checkpoint(committed.checkpoint_uri, scoring.storage.options)
-        registry.mark_deleted(committed.policy_version)
+        if committed.policy_version:
+            delete_checkpoint(committed.checkpoint_uri, scoring.storage.options)
+            registry.mark_deleted(committed.policy_version)
+    base = next((committed for committed in kept if committed.policy_version == 0), None)
+    if base is not None:
+        delete_checkpoint(base.checkpoint_uri, scoring.storage.options)
+        registry.mark_deleted(0)
 
 
 def run_seed(base: Any, scoring: Any, seed: int, label: str) -> RecipeRun:

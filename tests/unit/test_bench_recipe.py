@@ -89,3 +89,46 @@ def test_scoring_is_greedy_on_the_shipped_mix(tmp_path):
     assert scoring.evaluation.temperature == 0 and scoring.seed == 0
     tasks = config.problem.reasoning_gym.tasks
     assert tasks["chain_sum"].settings["max_terms"] == 4
+
+
+def test_a_lora_runs_adapters_are_scored_before_their_base_is_deleted(tmp_path):
+    # Version 1 is an adapter over version 0; scoring v0 first and deleting it at once
+    # would leave v1 nothing to merge onto (the failure this ordering fixes).
+    from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, save_checkpoint
+    from sluice.infra.config import load_config
+    from sluice.tasks.run.paths import run_registry
+    from sluice.tasks.run.versions import write_base_reference
+    from tests.benchmarks.bench_recipe import score_run
+    from tests.unit.synthetic import SHIPPED
+    from tests.unit.test_lora import samples, trainer
+
+    config = load_config(
+        "default",
+        [
+            f"workdir={tmp_path}/work",
+            f"storage.url=file://{tmp_path}/store",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            "trainer.lora.rank=4",
+            "evaluation.num_prompts=4",
+            "evaluation.temperature=0",
+        ],
+    )
+    base_uri = save_checkpoint(SHIPPED, f"{tmp_path}/store/v0")
+    lora = trainer()
+    lora.train_step(samples(0))
+    adapter = lora.save(tmp_path / "v1", state_dir=tmp_path / "state")
+    digest = read_manifest(base_uri).digest
+    write_base_reference(adapter, {"base_version": 0, "base_uri": base_uri, "base_digest": digest})
+    registry = run_registry(config, "lora-run")
+    registry.commit(0, base_uri)
+    registry.commit(1, save_checkpoint(adapter, f"{tmp_path}/store/v1"))
+
+    scored = RecipeRun(0, "lora-run", 600.0)
+    score_run(config, scored, started_at=0.0)
+
+    assert [version for _, version, _ in scored.curve] == [0, 1]
+    assert all(0.0 <= accuracy <= 1.0 for _, _, accuracy in scored.curve)
+    assert all(version.deleted for version in registry.versions())
+    for uri in (base_uri, f"file://{tmp_path}/store/v1"):
+        with pytest.raises(CheckpointIncomplete):
+            read_manifest(uri)
