@@ -106,7 +106,7 @@ def train(config: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         steps += 1
-        minute_losses.append(float(loss))
+        minute_losses.append(float(loss.detach()))
         if time.monotonic() - started >= 60 * (len(losses) + 1):
             losses.append(sum(minute_losses) / len(minute_losses))
             print(f"  minute {len(losses)}: step {steps}, mean loss {losses[-1]:.4f}", flush=True)
