@@ -12,7 +12,9 @@ result greedily on the config's held-out prompts, with bench_recipe's scoring se
 so the numbers compare with bench_recipe's curves.
 
 The training prompts are the whole mix (a curriculum is RL's; ``--max-terms`` bounds
-the term count instead). Printed: the mean loss a minute and both scores by term count.
+the term count instead). Printed: the mean loss a minute of training, and the scores by
+term count of the start, of every ``--score-every`` minutes of training (scoring does
+not count as training time) and of the end.
 
     python tests/benchmarks/bench_supervised.py --model-path DIR [--minutes 10] \\
         [--lr 2e-5] [--batch-size 16] [--max-terms N] [--set KEY=VALUE ...]
@@ -25,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step")
     parser.add_argument("--max-terms", type=int, default=0, help="train on rows up to N terms")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--score-every", type=float, default=0, help="also score every M minutes of training"
+    )
     parser.add_argument("--keep", help="save the trained model here (default: deleted)")
     return parser.parse_args(argv)
 
@@ -78,7 +83,11 @@ def save_model(model: Any, source_dir: Path, out: Path) -> None:
             shutil.copyfile(path, out / path.name)
 
 
-def train(config: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def train(
+    config: Any, args: argparse.Namespace, out: Path, score: Callable[[str, Path], None]
+) -> dict[str, Any]:
+    """Train for `args.minutes` of training time; every `args.score_every` minutes save
+    the model under `out` and call `score` (its time is not training time)."""
     import torch
 
     from sluice.engines.policy.model import load_policy_dir
@@ -96,9 +105,22 @@ def train(config: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     examples = supervised_examples(source, int(tokenizer.eos_token_id), args.max_terms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model.train()
-    started, steps, losses = time.monotonic(), 0, []
+    trained_s, steps, losses = 0.0, 0, []
     minute_losses: list[float] = []
-    while time.monotonic() - started < args.minutes * 60:
+    marks = []
+    if args.score_every:
+        marks = [args.score_every * k for k in range(1, int(args.minutes / args.score_every) + 1)]
+        marks = [mark for mark in marks if mark < args.minutes]
+    while trained_s < args.minutes * 60:
+        if marks and trained_s >= marks[0] * 60:
+            mark = marks.pop(0)
+            at = out / f"at-{mark:g}-min"
+            model.eval()
+            save_model(model, model_dir, at)
+            score(f"after {mark:g} min ({steps} steps)", at)
+            shutil.rmtree(at, ignore_errors=True)
+            model.train()
+        step_started = time.monotonic()
         batch = collate_supervised([next(examples) for _ in range(args.batch_size)], pad)
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
@@ -106,13 +128,15 @@ def train(config: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         steps += 1
+        trained_s += time.monotonic() - step_started
         minute_losses.append(float(loss.detach()))
-        if time.monotonic() - started >= 60 * (len(losses) + 1):
+        if trained_s >= 60 * (len(losses) + 1):
             losses.append(sum(minute_losses) / len(minute_losses))
             print(f"  minute {len(losses)}: step {steps}, mean loss {losses[-1]:.4f}", flush=True)
             minute_losses = []
     model.eval()
     save_model(model, model_dir, out)
+    score(f"after {args.minutes:g} min ({steps} steps)", out)
     return {"steps": steps, "rows": steps * args.batch_size, "loss_by_minute": losses}
 
 
@@ -139,11 +163,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{args.batch_size} rows a step, max terms {args.max_terms or 'all'}",
             flush=True,
         )
-        trained = train(config, args, out)
-        scores = {
-            "start": evaluate_model_dir(scoring, Path(str(config.model.path)), 0),
-            "after": evaluate_model_dir(scoring, out, 1),
-        }
+        scores = {"start": evaluate_model_dir(scoring, Path(str(config.model.path)), 0)}
+
+        def score(name: str, model_dir: Path) -> None:
+            scores[name] = evaluate_model_dir(scoring, model_dir, len(scores))
+            print(f"  {name}: greedy accuracy {scores[name]['eval/greedy_accuracy']:.3f}")
+
+        trained = train(config, args, out, score)
     finally:
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
