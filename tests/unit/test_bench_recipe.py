@@ -6,6 +6,7 @@ import pytest
 
 from sluice.infra.config import ConfigError
 from tests.benchmarks.bench_recipe import RecipeRun, build_config, report_text, runs_table
+from tests.unit.test_adapter_versions import published  # noqa: F401, F811 (a fixture)
 
 
 def run(seed: int, curve: list[tuple[float, int, float]], budget_s: float = 600.0) -> RecipeRun:
@@ -91,17 +92,15 @@ def test_scoring_is_greedy_on_the_shipped_mix(tmp_path):
     assert tasks["chain_sum"].settings["max_terms"] == 4
 
 
-def test_a_lora_runs_adapters_are_scored_before_their_base_is_deleted(tmp_path):
+def test_a_lora_runs_adapters_are_scored_before_their_base_is_deleted(published, tmp_path):  # noqa: F811
     # Version 1 is an adapter over version 0; scoring v0 first and deleting it at once
     # would leave v1 nothing to merge onto (the failure this ordering fixes).
-    from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, save_checkpoint
+    from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest
     from sluice.infra.config import load_config
     from sluice.tasks.run.paths import run_registry
-    from sluice.tasks.run.versions import write_base_reference
     from tests.benchmarks.bench_recipe import score_run
-    from tests.unit.synthetic import SHIPPED
-    from tests.unit.test_lora import samples, trainer
 
+    _config, base_uri, adapter_uri, _model = published
     config = load_config(
         "default",
         [
@@ -113,15 +112,9 @@ def test_a_lora_runs_adapters_are_scored_before_their_base_is_deleted(tmp_path):
             "evaluation.temperature=0",
         ],
     )
-    base_uri = save_checkpoint(SHIPPED, f"{tmp_path}/store/v0")
-    lora = trainer()
-    lora.train_step(samples(0))
-    adapter = lora.save(tmp_path / "v1", state_dir=tmp_path / "state")
-    digest = read_manifest(base_uri).digest
-    write_base_reference(adapter, {"base_version": 0, "base_uri": base_uri, "base_digest": digest})
     registry = run_registry(config, "lora-run")
     registry.commit(0, base_uri)
-    registry.commit(1, save_checkpoint(adapter, f"{tmp_path}/store/v1"))
+    registry.commit(1, adapter_uri)
 
     scored = RecipeRun(0, "lora-run", 600.0)
     score_run(config, scored, started_at=0.0)
@@ -129,6 +122,6 @@ def test_a_lora_runs_adapters_are_scored_before_their_base_is_deleted(tmp_path):
     assert [version for _, version, _ in scored.curve] == [0, 1]
     assert all(0.0 <= accuracy <= 1.0 for _, _, accuracy in scored.curve)
     assert all(version.deleted for version in registry.versions())
-    for uri in (base_uri, f"file://{tmp_path}/store/v1"):
+    for uri in (base_uri, adapter_uri):
         with pytest.raises(CheckpointIncomplete):
             read_manifest(uri)
