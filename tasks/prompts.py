@@ -11,6 +11,7 @@ its stage, so a group re-issued across a stage's end asks a prompt of the next s
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from sluice.engines.env.problems.base import Problem
 from sluice.engines.env.problems.dataset import DatasetProblem
 from sluice.engines.env.problems.registry import get_problem
 from sluice.engines.policy.model_dir import ModelDirError, declared_end_token_ids
+from sluice.engines.policy.warmstart import IGNORE_INDEX
 from sluice.infra.config import RunConfig
 from sluice.infra.problem_config import CurriculumStage, problem_options
 
@@ -183,3 +185,29 @@ class PromptSource:
         """The fixed held-out prompts every evaluation of the run uses."""
         rng = np.random.default_rng([self.config.seed, 2**31 - 1])
         return self.problem.sample_prompts(self.config.evaluation.num_prompts, rng, "test")
+
+
+def reference_examples(
+    source: PromptSource, end_id: int, max_terms: int = 0
+) -> Iterator[tuple[list[int], list[int]]]:
+    """Supervised rows for training prompts 0, 1, ...: `(input_ids, labels)` of the prompt
+    as the rollout encodes it, then the row's reference answer and `end_id`; the labels
+    are IGNORE_INDEX on the prompt. `max_terms` > 0 passes over rows with more terms."""
+    index = 0
+    while True:
+        row = source.train_row(index)
+        index += 1
+        if max_terms and row.get("num_terms", 0) > max_terms:
+            continue
+        answer = source.problem.reference_response(row)
+        if answer is None:
+            raise ValueError(
+                f"a supervised pass needs reference answers; {source.problem!r} has none "
+                f"for training row {index - 1}"
+            )
+        prompt = source.encode_prompt(row)
+        tokenizer = source.tokenizer
+        assert tokenizer is not None  # encode_prompt raised otherwise
+        response = [int(i) for i in tokenizer(answer, add_special_tokens=False)["input_ids"]]
+        response.append(end_id)
+        yield prompt + response, [IGNORE_INDEX] * len(prompt) + response

@@ -9,9 +9,10 @@ versions are scored greedily (temperature 0, one decoding per prompt) on the con
 held-out prompts, on the cores the run has left, so a curve costs the run no time. Then
 the run's checkpoints are deleted.
 
-Per run: held-out greedy accuracy at version 0 (the start), its peak, the newest version
-committed within the budget (the final), and the mean over the versions committed in
-the last third of the budget (the hold). A recipe *holds* its gain on a seed when both
+Per run: held-out greedy accuracy at version 0 (the start; with ``model.supervised``,
+the model given in ``model.path``, before the run's supervised pass made version 0), its
+peak, the newest version committed within the budget (the final), and the mean over the
+versions committed in the last third of the budget (the hold). A recipe *holds* its gain on a seed when both
 the final and the hold are at least ``--target`` (0.15 by default) above the start: a
 single final point can be lucky, and a mean over the last third cannot be a peak that
 fell back.
@@ -80,12 +81,17 @@ class RecipeRun:
     stopped_by: str | None = None
     """What ended training: ``trainer.total_steps`` (steps done, budget left) or the time budget."""
     error: str | None = None
+    before: float | None = None
+    """With `model.supervised`, version 0 is the model after the run's supervised pass:
+    this is the greedy accuracy of the model given in `model.path`, the run's start."""
 
     def within(self) -> list[tuple[float, int, float]]:
         return [point for point in self.curve if point[0] <= self.budget_s]
 
     @property
     def start(self) -> float | None:
+        if self.before is not None:
+            return self.before
         return next((acc for _, v, acc in self.curve if v == 0), None)
 
     @property
@@ -212,7 +218,9 @@ def score_run(scoring: Any, run: RecipeRun, started_at: float) -> None:
         registry.mark_deleted(0)
 
 
-def run_seed(base: Any, scoring: Any, seed: int, label: str) -> RecipeRun:
+def run_seed(
+    base: Any, scoring: Any, seed: int, label: str, before: float | None = None
+) -> RecipeRun:
     import shutil
 
     from sluice.flows.bench.async_vs_sync import with_settings
@@ -224,7 +232,7 @@ def run_seed(base: Any, scoring: Any, seed: int, label: str) -> RecipeRun:
 
     name = f"recipe-{label}-s{seed}"
     config = with_settings(base, {"seed": seed, "name": name})
-    run = RecipeRun(seed, name, config.trainer.time_budget_s)
+    run = RecipeRun(seed, name, config.trainer.time_budget_s, before=before)
     print(f"--- seed {seed} (run {name}) ---", flush=True)
     started_at, started = time.time(), time.monotonic()
     try:
@@ -362,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     runs: list[RecipeRun] = []
     for index in range(args.seeds):
-        runs.append(run_seed(config, scoring, config.seed + index, args.label))
+        before = start["eval/greedy_accuracy"] if config.model.supervised.minutes else None
+        runs.append(run_seed(config, scoring, config.seed + index, args.label, before))
         report = report_text(runs, args.target, header)
         data = {
             "label": args.label,

@@ -3,11 +3,13 @@
 Group-relative RL on the harder reasoning-gym mix sharpens what the start policy already
 samples, and stops near the start policy's pass@16
 (docs/reports/2026-11-27-harder-recipe.md). A supervised pass teaches each prompt's
-answer directly. This script measures that alone, before any warm start is built into
-a run: for ``--minutes`` of wall time it trains the model (every weight, AdamW) on the
-config's training prompts, each rendered exactly as the rollout renders it (chat
-template and system message included), with the row's reference answer and the end
-token as the response (the loss on those tokens only). Then it scores the start and the
+answer directly. This script measures that pass alone, with no RL after it, scoring as
+it goes (``model.supervised`` runs the same pass inside ``sluice train``, on the same
+rows, and commits its result as version 0): for ``--minutes`` of training time it
+trains the model (every weight, AdamW) on the config's training prompts, each rendered
+exactly as the rollout renders it (chat template and system message included), with the
+row's reference answer and the end token as the response (the loss on those tokens
+only; ``tasks/prompts.py:reference_examples``). Then it scores the start and the
 result greedily on the config's held-out prompts, with bench_recipe's scoring settings,
 so the numbers compare with bench_recipe's curves.
 
@@ -27,13 +29,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests.benchmarks.bench_recipe import build_config
-
-IGNORE_INDEX = -100
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,24 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--keep", help="save the trained model here (default: deleted)")
     return parser.parse_args(argv)
-
-
-def supervised_examples(
-    source: Any, eos_id: int, max_terms: int = 0
-) -> Iterator[tuple[list[int], list[int]]]:
-    """(input_ids, labels) for training rows 0, 1, ...: the rendered prompt, then the
-    reference answer and `eos_id`; labels are IGNORE_INDEX on the prompt."""
-    index = 0
-    while True:
-        row = source.train_row(index)
-        index += 1
-        if max_terms and row.get("num_terms", 0) > max_terms:
-            continue
-        prompt = source.encode_prompt(row)
-        answer = source.problem.reference_response(row)
-        response = [int(i) for i in source.tokenizer(answer, add_special_tokens=False)["input_ids"]]
-        response.append(eos_id)
-        yield prompt + response, [IGNORE_INDEX] * len(prompt) + response
 
 
 def save_model(model: Any, source_dir: Path, out: Path) -> None:
@@ -92,7 +74,7 @@ def train(
 
     from sluice.engines.policy.model import load_policy_dir
     from sluice.engines.policy.warmstart import collate_supervised
-    from sluice.tasks.prompts import PromptSource
+    from sluice.tasks.prompts import PromptSource, reference_examples
 
     model_dir = Path(str(config.model.path))
     torch.manual_seed(config.seed)
@@ -102,7 +84,7 @@ def train(
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has no end token to train")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    examples = supervised_examples(source, int(tokenizer.eos_token_id), args.max_terms)
+    examples = reference_examples(source, int(tokenizer.eos_token_id), args.max_terms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model.train()
     trained_s, steps, losses = 0.0, 0, []

@@ -40,6 +40,17 @@ def test_a_run_with_no_version_in_the_last_third_has_no_hold():
     assert early.hold is None and not early.holds(0.15)
 
 
+def test_after_a_supervised_pass_gains_count_from_the_model_before_it():
+    # Version 0 (0.30) is the passed model; the model given was at 0.10 (`before`).
+    passed = RecipeRun(4, "r4", 600.0, curve=[(300, 0, 0.30), (420, 2, 0.26), (590, 4, 0.28)])
+    assert passed.start == 0.30 and passed.gain(passed.final) == pytest.approx(-0.02)
+    passed.before = 0.10
+    assert passed.start == 0.10 and passed.peak == 0.30
+    assert passed.gain(passed.final) == pytest.approx(0.18)  # 0.28 - 0.10
+    assert passed.gain(passed.hold) == pytest.approx(0.17)  # (0.26 + 0.28) / 2 - 0.10
+    assert passed.holds(0.15) and not passed.holds(0.18)
+
+
 def test_the_report_lists_each_run_and_counts_the_seeds_that_hold():
     broken = RecipeRun(3, "r3", 600.0, error="RuntimeError: boom")
     text = report_text([HELD, FELL, broken], 0.15)
