@@ -238,6 +238,14 @@ def planned_rows(config: RunConfig, sync: bool, shape: ModelShape | None) -> lis
     api = os.environ.get("PREFECT_API_URL") or "a temporary Prefect API"
     flow = "sluice-train-sync" if sync else "sluice-train"
     rows: list[Row] = [("sluice train", "1", "-", None, f"this command: flow {flow}, {api}")]
+    minutes = config.model.supervised.minutes
+    if minutes:
+        full = None
+        if shape is not None:  # every weight trains, whatever trainer.lora says
+            p = shape.parameters
+            full = [("weights, gradients and AdamW state (float32)", p * 16.0)]
+        what = f"in this command, first: {minutes:g} min on the answers, its result version 0"
+        rows.append(("supervised pass", "1", "-", full, what))
     if config.cluster.engine == "local":
         rows.append(("role launcher", "1", "-", None, "forks the roles with their imports done"))
     threads = {role: str(role_threads(config, role)) for role in ("sync", "train", "evaluate")}

@@ -156,3 +156,15 @@ def test_dry_run_imports_neither_torch_nor_prefect_nor_mlflow(tmp_path):
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
     )
     assert proc.stdout.splitlines()[-1] == "RESULT 0 []", proc.stderr
+
+
+def test_a_supervised_pass_is_planned_in_the_command_with_every_weight_training(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
+    overrides = [f"model.path={tmp_path}", "model.supervised.minutes=24", "trainer.lora.rank=8"]
+    out = dry_run_report(load_config("reasoning_gym", overrides), "x", sync=False, resume=None)
+    # Under LoRA too, the pass trains all 134,515,008 parameters: 4 B of weights, 4 of
+    # gradients, 8 of AdamW state each: 2,152,240,128 B = 2.0 GiB.
+    assert "supervised pass: weights, gradients and AdamW state (float32) 2.0 GiB" in out
+    assert "first: 24 min on the answers, its result version 0" in out
+    plain = load_config("reasoning_gym", [f"model.path={tmp_path}"])
+    assert "supervised pass" not in dry_run_report(plain, "x", sync=False, resume=None)
