@@ -259,6 +259,11 @@ class TrainerConfig(_Section):
                         f"{setting} needs trainer.backend=torch (the {self.backend} backend "
                         "takes its optimizer step inside its own schedule)"
                     )
+        if self.lr_warmup_steps > self.total_steps:
+            raise ValueError(
+                f"trainer.lr_warmup_steps={self.lr_warmup_steps} is longer than the run "
+                f"(trainer.total_steps={self.total_steps}): lower it or raise total_steps"
+            )
         if self.loss.objective != "decoupled_ppo" and self.loss.dual_clip_c is not None:
             raise ValueError(
                 f"trainer.loss.dual_clip_c bounds decoupled_ppo's token loss; "

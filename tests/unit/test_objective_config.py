@@ -66,6 +66,10 @@ def test_the_overlong_penalty_is_shaped_from_the_rollout_cap():
         (["trainer.backend=megatron", "trainer.kl.coef=0.1"], "trainer.kl.coef > 0 needs"),
         (["trainer.backend=megatron", "trainer.lr_decay=linear"], "an lr schedule needs"),
         (
+            ["trainer.lr_warmup_steps=3", "trainer.total_steps=1"],
+            "trainer.lr_warmup_steps=3 is longer than the run (trainer.total_steps=1)",
+        ),
+        (
             ["trainer.loss.objective=gspo", "trainer.loss.dual_clip_c=3"],
             "gspo has no such term",
         ),
