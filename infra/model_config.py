@@ -86,7 +86,8 @@ class ModelConfig(_Section):
     def _supervised_needs_a_model(self) -> ModelConfig:
         if self.supervised.minutes and self.path is None:
             raise ValueError(
-                "model.supervised trains a model you give in model.path; the embedded tiny "
+                "model.supervised trains a model you give in model.path (--set "
+                "model.path=DIR, a directory `sluice model import` wrote); the embedded tiny "
                 "model has model.warm_start"
             )
         return self

@@ -68,6 +68,8 @@ def test_the_report_lists_each_run_and_counts_the_seeds_that_hold():
         ({"every": 0}, "--every must be >= 1"),
         ({"overrides": ["evaluation.every=3"]}, "bench_recipe sets evaluation.every itself"),
         ({"model_path": "/nonexistent"}, "not a Hugging Face model directory"),
+        # The shipped recipe's 24-minute pass and a 2-minute run: one line, at load.
+        ({"minutes": 2.0}, "leaves RL none of trainer.time_budget_s=120"),
     ],
 )
 def test_bad_arguments_fail_in_one_line(tmp_path, change, message):
@@ -91,12 +93,13 @@ def test_scoring_is_greedy_on_the_shipped_mix(tmp_path):
         model_path=str(tmp_path),
         config="reasoning_gym_mix",
         seeds=1,
-        minutes=2.0,
+        minutes=30.0,
         every=4,
         overrides=[],
     )
     config, scoring = build_config(args)
-    assert config.trainer.time_budget_s == 120 and config.evaluation.every == 4
+    assert config.trainer.time_budget_s == 1800 and config.evaluation.every == 4
+    assert config.model.supervised.minutes == 24  # the shipped recipe's pass comes along
     assert not config.evaluation.during_run
     assert scoring.evaluation.temperature == 0 and scoring.seed == 0
     tasks = config.problem.reasoning_gym.tasks

@@ -7,10 +7,22 @@ import pytest
 
 from sluice.infra.config import CONFIG_DIR, ConfigError, RunConfig, load_config
 
+# Shipped configs whose run starts with a supervised pass on the user's model: they load
+# only with model.path given.
+NEEDS_A_MODEL = {"reasoning_gym_mix"}
+
 
 def test_builtin_configs_validate():
     for path in CONFIG_DIR.glob("*.yaml"):
-        assert isinstance(load_config(path), RunConfig)
+        overrides = ["model.path=models/smollm2"] if path.stem in NEEDS_A_MODEL else []
+        assert isinstance(load_config(path, overrides), RunConfig)
+
+
+def test_a_shipped_supervised_pass_without_a_model_fails_in_one_line():
+    for name in NEEDS_A_MODEL:
+        with pytest.raises(ConfigError, match="model.supervised trains a model you give in"):
+            load_config(name)
+        assert load_config(name, ["model.path=models/smollm2"]).model.supervised.minutes > 0
 
 
 def test_override_sets_nested_values_with_yaml_types():
