@@ -12,7 +12,6 @@ like the one it came from.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from sluice.engines.policy.model import load_policy_dir
-from sluice.engines.policy.warmstart import supervised_step
+from sluice.engines.policy.warmstart import save_policy, supervised_step
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +116,3 @@ def supervised_pass(
         stopped_by=stopped_by,
         loss_by_minute=losses,
     )
-
-
-def save_policy(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
-    """`model` and its tokenizer (chat template included) as a Hugging Face directory,
-    staged and renamed, so `out` is either absent or whole."""
-    staging = out.parent / f".{out.name}.staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    model.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)

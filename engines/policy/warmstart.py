@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -412,18 +413,22 @@ def warm_start(
     return report
 
 
+def save_policy(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """`model` and its tokenizer (chat template included) as a Hugging Face directory,
+    staged and renamed, so `out` is either absent or whole."""
+    staging = out.parent / f".{out.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    model.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+
+
 def _save_checkpoint(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, report: WarmStartReport
 ) -> None:
     # Stage then rename, marker last: a crash leaves no directory that looks finished.
-    staging = out.parent / f".{out.name}.staging"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
     model.eval()
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    save_policy(model, tokenizer, out)
     (out / WARM_START_MARKER).write_text(report.to_json())
