@@ -11,6 +11,7 @@ like the one it came from.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -109,10 +110,18 @@ def supervised_pass(
             break
     model.eval()
     save_policy(model, tokenizer, Path(out_dir))
-    return SupervisedReport(
+    report = SupervisedReport(
         steps=steps,
         rows=steps * batch_size,
         wall_time_s=round(clock() - started, 2),
         stopped_by=stopped_by,
         loss_by_minute=losses,
     )
+    # The caller (a run's flow process) lives on for the whole run: the weights, gradients
+    # and AdamW state go back to the device rather than staying in torch's CUDA cache
+    # beside the roles (6.6 GB for SmolLM2-135M on an H200).
+    del model, optimizer
+    if torch.device(device).type == "cuda":
+        gc.collect()  # a module graph may hold cycles
+        torch.cuda.empty_cache()
+    return report
