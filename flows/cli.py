@@ -332,7 +332,7 @@ def read_run(args: argparse.Namespace) -> int:
         return run_status(config, run_id, run_dir)
     from sluice.flows.cli_logs import run_logs
 
-    return run_logs(run_id, run_dir, args.role, args.follow)
+    return run_logs(run_id, run_dir, args.role, args.follow, config)
 
 
 def run_command(args: argparse.Namespace, config: RunConfig) -> int:

@@ -4,7 +4,9 @@ write under {workdir}/runs/{run}/logs/ (one per role, the inference server's bes
 Without --role every log is printed, each line prefixed by its role and the lines
 merged by their time stamps (a line without one, a traceback's, stays after the line
 before it). `-f` then follows them as `tail -f` does, taking up a log that appears
-later (a role started after the others, a restarted server), until Ctrl-C.
+later (a role started after the others, a restarted server), until Ctrl-C. A run
+with no role log yet (its flow is still in a supervised pass or a warm start) is not an
+error: what the flow is doing is printed instead, from its status document.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 from typing import TextIO
 
 from sluice.flows.cli_common import fail
-from sluice.tasks.run.paths import ROLES
+from sluice.infra.config import RunConfig
+from sluice.tasks.run.paths import ROLES, run_paths
+from sluice.tasks.run.status import read_flow_status
 
 STAMP = re.compile(r"^(\d\d:\d\d:\d\d) ")
 """The time stamp a role's log line starts with (tasks/run/logs.py)."""
@@ -148,10 +152,34 @@ def check_role(run_id: str, log_dir: Path, role: str | None, follow: bool) -> li
     raise ValueError(f"run {run_id} has no role '{role}'; its roles: {known}")
 
 
-def run_logs(run_id: str, run_dir: Path, role: str | None, follow: bool) -> int:
+def flow_activity(config: RunConfig, run_id: str) -> str | None:
+    """What the run's flow says it is doing (its newest progress line), None when it
+    has not said (or its storage does not answer)."""
+    try:
+        flow = read_flow_status(config, run_paths(config, run_id))
+    except OSError:
+        return None
+    if not flow or not flow.get("activity"):
+        return None
+    return f"the flow is {flow.get('state', 'running')}: {flow['activity']}"
+
+
+def run_logs(
+    run_id: str,
+    run_dir: Path,
+    role: str | None,
+    follow: bool,
+    config: RunConfig | None = None,
+) -> int:
     """Print a run's logs (exit 2 with one line for a role it does not have); with
-    `follow`, go on printing until Ctrl-C."""
+    `follow`, go on printing until Ctrl-C. Before any role has a log, what the flow
+    does (read with `config`) is printed instead, and the exit is 0."""
     log_dir = run_dir / "logs"
+    if role is None and not follow and not log_roles(log_dir) and config is not None:
+        activity = flow_activity(config, run_id)
+        if activity is not None:
+            print(f"run {run_id} has no role logs yet; {activity}")
+            return 0
     try:
         roles = check_role(run_id, log_dir, role, follow)
     except ValueError as err:

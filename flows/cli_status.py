@@ -3,12 +3,16 @@
 Read from the run's own files only, the status document each role writes
 (tasks/run/status.py), the run's stop marker (tasks/run/control.py) and the roles' logs,
 so it answers without Prefect or MLflow, in a fraction of a second. What it prints is
-what the flow's progress line says (flows/role_watch.py), plus each role's state and,
-for a role that failed, the newest line of its log.
+what the flow's progress line says (flows/role_watch.py), plus each role's state, where
+each role's time went (its states' shares of its wall time, tasks/run/state_timer.py),
+the training step's mean timeline from `metrics.jsonl` and, for a role that failed, the
+newest line of its log. Before any role reports, it says what the flow is doing (a
+supervised pass, a warm start, starting the roles) from the flow's status document.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -18,12 +22,21 @@ from sluice.flows.cli_common import fail
 from sluice.infra.config import RunConfig
 from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import ROLES, run_paths
-from sluice.tasks.run.status import read_statuses
+from sluice.tasks.run.state_timer import OTHER
+from sluice.tasks.run.status import read_flow_status, read_statuses
 
 LIVE_STATES = ("starting", "running", "waiting")
 """States a role writes while its process goes; `stopped` and `finished` are its last."""
 FAILED_MARK = "role failed: "
 """How the flow's stop marker names the roles that failed for good (flows/role_watch.py)."""
+OTHER_LIMIT = 0.05
+"""A role whose unnamed time (`other`) is over this share of its wall gets a note: some
+of its loop's time is not accounted for by a state."""
+METRICS_FILE = "metrics.jsonl"
+"""The training role's per-step file (tasks/run/metrics_file.py, not imported here: it
+imports MLflow, which `status` must answer without)."""
+TIMELINE_STEPS = 50
+"""How many of the newest training steps the mean step timeline averages."""
 
 
 def process_alive(pid: int) -> bool:
@@ -98,6 +111,81 @@ def _pct(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def time_split(status: dict[str, Any]) -> str | None:
+    """A role's states as shares of its wall time since it started, largest first and
+    `other` last (they sum to 100% up to rounding), then its process CPU in cores; None
+    for a document without them."""
+    shares = {
+        key.removeprefix("time/").removesuffix("_frac"): value
+        for key, value in status.items()
+        if key.startswith("time/") and key.endswith("_frac") and isinstance(value, int | float)
+    }
+    if not shares:
+        return None
+    named = sorted((s for s in shares if s != OTHER), key=lambda s: -shares[s])
+    parts = [f"{state} {_pct(shares[state])}" for state in named if shares[state] >= 0.005]
+    parts.append(f"{OTHER} {_pct(shares.get(OTHER, 0.0))}")
+    wall, cores = status.get("time/wall_s"), status.get("time/cpu_cores")
+    line = "  ".join(parts)
+    if isinstance(wall, int | float):
+        line = f"{_duration(wall)}: {line}"
+    if isinstance(cores, int | float):
+        line += f"; CPU {cores:.1f} cores"
+    if status.get("time/cpu_over_cores"):
+        line += " (more CPU than the process has cores: the split is not to be trusted)"
+    if shares.get(OTHER, 0.0) > OTHER_LIMIT:
+        line += f" ({OTHER} over {_pct(OTHER_LIMIT)}: time no state accounts for)"
+    busy, lag = status.get("background/busy_s"), status.get("background/lag_s")
+    if isinstance(busy, int | float):
+        line += f"; background {busy:.1f} s busy"
+        line += f", newest job {lag:.1f} s after its submission" if lag is not None else ""
+    return line
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    return f"{seconds / 60:.0f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def mean_step_timeline(path: Path, steps: int = TIMELINE_STEPS) -> str | None:
+    """The newest `steps` training steps' mean timeline from `metrics.jsonl`: the mean
+    step's seconds, then each state's mean seconds. Means (not medians) so the parts add
+    up to the whole, as each step's states add up to its `time/step_s`. None without
+    timed steps."""
+    if not path.is_file():
+        return None
+    with path.open("rb") as lines:  # the file grows a line a step: read its end
+        lines.seek(max(0, path.stat().st_size - steps * 16384))
+        tail = lines.read().decode(errors="replace").splitlines()
+    timed: dict[int, dict[str, Any]] = {}
+    for line in tail:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the first line read may be a partial one
+            continue
+        if isinstance(record, dict) and "time/step_s" in record:
+            timed[int(record.get("step", 0))] = record  # a retrained step: the later line
+    newest = [timed[step] for step in sorted(timed)[-steps:]]
+    if not newest:
+        return None
+    states = sorted(
+        {k for r in newest for k in r if k.startswith("time/") and k.endswith("_s")}
+        - {"time/step_s"},
+        key=lambda k: (k == f"time/{OTHER}_s", k),
+    )
+
+    def mean(key: str) -> float:
+        return sum(float(r.get(key, 0.0)) for r in newest) / len(newest)
+
+    parts = [
+        f"{key.removeprefix('time/').removesuffix('_s')} {mean(key):.2f}"
+        for key in states
+        if mean(key) >= 0.005 or key == f"time/{OTHER}_s"
+    ]
+    return f"{mean('time/step_s'):.2f} s = " + " + ".join(parts) + f" (mean of {len(newest)})"
+
+
 def format_status(
     run_id: str,
     config: RunConfig,
@@ -105,9 +193,11 @@ def format_status(
     done: dict[str, Any] | None,
     log_dir: Path,
     now: float | None = None,
+    flow: dict[str, Any] | None = None,
 ) -> str:
-    """The run's numbers as a two-column table, then one row per role, then the newest
-    log line of each role that failed."""
+    """The run's numbers as a two-column table, then one row per role, where each
+    role's time went, then the newest log line of each role that failed. Before any
+    role reports, what the flow does (`flow`: its status document)."""
     now = time.time() if now is None else now
     states = role_states(statuses, (done or {}).get("reason"), config.cluster.engine == "local")
     train, rollout = statuses.get("train", {}), statuses.get("rollout", {})
@@ -141,7 +231,7 @@ def format_status(
     width = max(len(label) for label, _ in rows)
     lines = [f"{label:<{width}}  {value}" for label, value in rows]
     if not states:
-        return "\n".join([*lines, "", "no role has reported yet"])
+        return "\n".join([*lines, "", *before_roles(flow, now)])
     table = [("role", "state", "pid", "updated", "threads", "peak RSS")]
     for role, state in states.items():
         status = statuses.get(role, {})
@@ -162,6 +252,14 @@ def format_status(
     lines += [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table
     ]
+    splits = {role: time_split(statuses.get(role, {})) for role in states}
+    if any(splits.values()):
+        width = max(len(role) for role in states)
+        lines += ["", "time since each role started (its states add up to its wall time):"]
+        lines += [f"  {role:<{width}}  {split}" for role, split in splits.items() if split]
+        step = mean_step_timeline(log_dir.parent / METRICS_FILE)
+        if step is not None:
+            lines.append(f"  {'step':<{width}}  {step}")
     for role, state in states.items():
         if state not in ("failed", "died"):
             continue
@@ -174,6 +272,20 @@ def format_status(
     return "\n".join(lines)
 
 
+def before_roles(flow: dict[str, Any] | None, now: float) -> list[str]:
+    """What the run does while no role has reported: the flow's newest progress line."""
+    if not flow or not flow.get("activity"):
+        return ["no role has reported yet"]
+    updated = flow.get("updated_at")
+    since = flow.get("started_at")
+    when = f" (updated {_ago(now - updated)})" if isinstance(updated, int | float) else ""
+    took = f", for {_duration(now - since)}" if isinstance(since, int | float) else ""
+    return [
+        f"no role has reported yet; the flow is {flow.get('state', 'running')}{took}:",
+        f"  {flow['activity']}{when}",
+    ]
+
+
 def run_status(config: RunConfig, run_id: str, run_dir: Path) -> int:
     """Print the status of run `run_id` (its saved `config`, found in `run_dir`); exit 1
     with one line when its storage does not answer."""
@@ -181,7 +293,8 @@ def run_status(config: RunConfig, run_id: str, run_dir: Path) -> int:
     try:
         statuses = read_statuses(config, paths)
         done = RunControl(config, paths).done_marker()
+        flow = read_flow_status(config, paths) if not statuses else None
     except OSError as err:  # the run's storage does not answer
         return fail(f"cannot read the status of run {run_id} under {paths.prefix}: {err}", 1)
-    print(format_status(run_id, config, statuses, done, run_dir / "logs"))
+    print(format_status(run_id, config, statuses, done, run_dir / "logs", flow=flow))
     return 0

@@ -18,6 +18,12 @@ from sluice.engines.rl.trajectory import (
     TOOL_TIMEOUTS,
     TURNS,
 )
+from sluice.tasks.run.state_timer import StateTimer
+
+ROLLOUT_STATES = ("start", "generate", "reload", "idle", "write")
+"""Where the rollout role's loop spends its time (tasks/run/state_timer.py): its setup
+(first version, weights, servers), waiting on in-flight groups, fetching and loading a
+newer version, nothing in flight and the staleness gate closed, writing finished groups."""
 
 
 @dataclass
@@ -52,6 +58,8 @@ class RolloutStats:
     """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
     server_peak_rss_mb: float | None = None
     """The largest peak resident memory an inference server reported, MiB (None: none did)."""
+    timer: StateTimer = field(default_factory=lambda: StateTimer(ROLLOUT_STATES))
+    """The role loop's time split into states; reported as `time/<state>_s` and `_frac`."""
 
     def record_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Count one group written to the stream (`rows`: its samples, `TrajectoryRow`s
@@ -97,6 +105,7 @@ class RolloutStats:
             **(self.episode_status() if self.episode_turns else {}),
             **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
             "server_peak_rss_mb": self.server_peak_rss_mb,
+            **self.timer.report(),
         }
 
     def episode_status(self) -> dict[str, Any]:

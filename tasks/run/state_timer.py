@@ -66,7 +66,7 @@ class StateTimer:
         self._cpu_clock = cpu_clock
         self.cores = cores or usable_cores()
         self.started = clock()
-        self._cpu_started = cpu_clock()
+        self._cpu_started = self._lap_cpu = cpu_clock()
         self.current = OTHER
         self._since = self.started
         self._named: dict[str, float] = {}
@@ -150,12 +150,15 @@ class StateTimer:
         return self._cpu_clock() - self._cpu_started
 
     def check_cpu(self) -> tuple[float, float, bool]:
-        """(process CPU seconds, wall seconds, whether CPU stays within cores x wall).
+        """(process CPU seconds, wall seconds, whether CPU stays within cores x wall),
+        since the start."""
+        cpu, wall = self.cpu_s(), self._clock() - self.started
+        return cpu, wall, self._within_cores(cpu, wall)
 
-        A violation is counted and logged once: it means a clock is wrong or the
-        process ran on more cores than it may use, and the time split cannot be trusted."""
-        cpu = self.cpu_s()
-        wall = self._clock() - self.started
+    def _within_cores(self, cpu: float, wall: float) -> bool:
+        """Whether `cpu` seconds fit in `wall` on this process's cores. A violation is
+        counted and logged once: a clock is wrong or the process ran on more cores than
+        it may use, and the time split cannot be trusted."""
         within = cpu <= self.cores * wall + CPU_SLACK_S
         if not within:
             self.cpu_violations += 1
@@ -167,7 +170,7 @@ class StateTimer:
                     self.cores,
                     wall,
                 )
-        return cpu, wall, within
+        return within
 
     def report(self, prefix: str = "time/") -> dict[str, float]:
         """For a status document: each state's seconds and share of the wall since the
@@ -180,6 +183,23 @@ class StateTimer:
             out[f"{prefix}{state}_frac"] = s / wall if wall > 0 else 0.0
         out[f"{prefix}wall_s"] = wall
         out[f"{prefix}cpu_s"] = cpu
+        out[f"{prefix}cpu_cores"] = cpu / wall if wall > 0 else 0.0
+        out[f"{prefix}cpu_over_cores"] = float(self.cpu_violations)
+        return out
+
+    def lap_metrics(self, prefix: str = "time/") -> dict[str, float]:
+        """`lap()` as one step's metrics: each state's seconds and share of the step,
+        the step's wall (`step_s`, which the seconds sum to), and the process CPU in it
+        in cores (checked against the cores, like `check_cpu`)."""
+        cpu_now = self._cpu_clock()
+        seconds, wall = self.lap()
+        cpu, self._lap_cpu = cpu_now - self._lap_cpu, cpu_now
+        self._within_cores(cpu, wall)
+        out: dict[str, float] = {}
+        for state, s in sorted(seconds.items()):
+            out[f"{prefix}{state}_s"] = s
+            out[f"{prefix}{state}_frac"] = s / wall if wall > 0 else 0.0
+        out[f"{prefix}step_s"] = wall
         out[f"{prefix}cpu_cores"] = cpu / wall if wall > 0 else 0.0
         out[f"{prefix}cpu_over_cores"] = float(self.cpu_violations)
         return out

@@ -1,4 +1,6 @@
-"""Each role's small status document, which the flow reads to draw progress."""
+"""Each role's small status document, which the flow reads to draw progress, and the
+flow's own, which says what a run does before its roles report (a supervised pass, a
+warm start, the roles' start)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from sluice.infra.process_stats import peak_rss_mb
 from sluice.tasks.run.paths import ROLES, RunPaths, read_json, write_json
 
 log = logging.getLogger("sluice")
+FLOW = "flow"
+"""The status document the flow writes (`_status/flow.json`): `state` and `activity`,
+its newest progress line."""
 
 
 class StatusReporter:
@@ -45,6 +50,17 @@ class StatusReporter:
                 write_json(self.config, self.url, self.fields)
             except OSError as err:  # status is best effort; the data plane is not
                 log.warning("could not write status %s: %s", self.url, err)
+
+
+def flow_reporter(config: RunConfig, paths: RunPaths) -> StatusReporter:
+    """The flow's status document: written on every progress line (they come seconds
+    to a minute apart), so `sluice status` and `sluice logs` can say what the run does
+    while no role has started."""
+    return StatusReporter(config, paths, FLOW, interval_s=0.0)
+
+
+def read_flow_status(config: RunConfig, paths: RunPaths) -> dict[str, Any] | None:
+    return read_json(config, paths.status(FLOW))
 
 
 def read_statuses(config: RunConfig, paths: RunPaths) -> dict[str, dict[str, Any]]:

@@ -20,6 +20,8 @@ import pytest
 
 from sluice.flows.cli import main
 from sluice.infra.config import RunConfig
+from sluice.tasks.run.paths import run_paths
+from sluice.tasks.run.status import flow_reporter
 from tests.unit.test_cli_status import run_role_process, start_run
 
 RUN = "logs-20261127-090000-cd34"
@@ -118,3 +120,19 @@ def test_follow_prints_lines_as_they_are_appended_until_ctrl_c(local_run_config,
     assert code == 0, printed()
     assert "reward   | " in printed() and "a role that started later" in printed()
     assert "Traceback" not in printed().split("train restarted")[-1]  # Ctrl-C ends it quietly
+
+
+def test_a_run_with_no_role_log_yet_says_what_its_flow_is_doing(local_run_config, tmp_path, capsys):
+    config = local_run_config(tmp_path)
+    start_run(config, "warm")
+    code, err = logs(capsys, config, "warm")  # nothing said yet: nothing to show
+    assert code == 2 and err.startswith("sluice: error: run warm has no logs yet")
+    # What the flow writes while it warm-starts the policy (tasks/run/prepare.py).
+    flow_reporter(config, run_paths(config, "warm")).update(
+        state="preparing", activity="warm start: step 200, accuracy 0.41"
+    )
+    code, out = logs(capsys, config, "warm")
+    assert code == 0
+    assert out.splitlines() == [
+        "run warm has no role logs yet; the flow is preparing: warm start: step 200, accuracy 0.41"
+    ]

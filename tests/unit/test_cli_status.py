@@ -20,12 +20,16 @@ from typing import Any
 
 import pytest
 
+from sluice.flows import cli_status
 from sluice.flows.cli import main
 from sluice.flows.run_claim import write_resolved_config
 from sluice.infra.config import RunConfig
+from sluice.tasks.run import metrics_file
 from sluice.tasks.run.control import RunControl
+from sluice.tasks.run.metrics_file import METRICS_FILE, append_step
 from sluice.tasks.run.paths import run_paths
-from sluice.tasks.run.status import StatusReporter
+from sluice.tasks.run.state_timer import OTHER, StateTimer
+from sluice.tasks.run.status import StatusReporter, flow_reporter
 
 ROLE_PROCESS = """
 import json, logging, sys
@@ -213,3 +217,75 @@ def test_status_answers_within_a_second_without_prefect_mlflow_or_torch(failed_r
     _, code, took, heavy = result.split(" ", 3)
     assert (code, heavy) == ("0", "[]"), proc.stderr
     assert float(took) < 1.0  # finding and reading the run; the interpreter's start-up on top
+
+
+def test_before_any_role_reports_status_says_what_the_flow_is_doing(
+    local_run_config, tmp_path, capsys
+):
+    config = local_run_config(tmp_path)
+    start_run(config, "sft")
+    # What the flow's supervised pass writes with each progress line (tasks/run/prepare.py).
+    flow_reporter(config, run_paths(config, "sft")).update(
+        state="preparing", activity="supervised pass: step 40, minute 3, loss 1.2345"
+    )
+    code, lines = status_lines(capsys, "sft", "--set", f"workdir={config.workdir}")
+    assert code == 0
+    assert lines[-2].startswith("no role has reported yet; the flow is preparing, for ")
+    assert lines[-1].startswith("  supervised pass: step 40, minute 3, loss 1.2345 (updated ")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_status_shows_each_roles_time_split_and_the_mean_training_step(
+    local_run_config, tmp_path, capsys
+):
+    config = local_run_config(tmp_path)
+    run_dir = start_run(config, "timed")
+    clock, cpu = Clock(), Clock()
+    rollout = StateTimer(("generate", "idle"), clock=clock, cpu_clock=cpu, cores=2)
+    train = StateTimer(("wait_data", "train"), clock=clock, cpu_clock=cpu, cores=2)
+    steps = []
+    for wait, step in ((1.0, 3.0), (0.0, 4.0)):  # two training steps, the rollout generating
+        rollout.enter("generate")
+        train.enter("wait_data")
+        clock.now += wait
+        train.enter("train")
+        clock.now += step
+        train.enter(OTHER)
+        clock.now += 0.5  # step bookkeeping no state names
+        steps.append(train.lap_metrics())
+    rollout.enter("idle")
+    train.enter("train")
+    clock.now += 1.0  # the gate holds the rollout while the trainer trains
+    cpu.now = 9.0  # the processes' CPU together: 0.9 of a core, of the 2
+    for step, metrics in enumerate(steps, start=1):
+        append_step(run_dir / METRICS_FILE, metrics, step, 0.0)
+    report(config, "timed", "rollout", state="running", **rollout.report())
+    report(config, "timed", "train", state="running", **train.report())
+
+    code, lines = status_lines(capsys, "timed", "--set", f"workdir={config.workdir}")
+    assert code == 0
+    split = sections(lines)[2]
+    assert split[0].startswith("time since each role started")
+    # Of 10 s, rollout: 9 generating, 1 idle; train: 1 waiting, 8 training, 1 unnamed.
+    assert split[1].split() == [
+        "rollout", "10s:", "generate", "90%", "idle", "10%", "other", "0%;", "CPU", "0.9",
+        "cores",
+    ]  # fmt: skip
+    assert split[2].split()[:8] == ["train", "10s:", "train", "80%", "wait_data", "10%", "other", "10%;"]  # fmt: skip
+    assert "(other over 5%: time no state accounts for)" in split[2]
+    # The two steps' mean: (4.5 + 4.5) / 2 s, parts (1 + 0) / 2, (3 + 4) / 2, (0.5 + 0.5) / 2.
+    assert split[3].split() == [
+        "step", "4.50", "s", "=", "train", "3.50", "+", "wait_data", "0.50", "+", "other",
+        "0.50", "(mean", "of", "2)",
+    ]  # fmt: skip
+
+
+def test_status_reads_the_metrics_file_the_train_role_writes():
+    assert cli_status.METRICS_FILE == metrics_file.METRICS_FILE

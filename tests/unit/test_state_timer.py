@@ -208,3 +208,27 @@ def test_a_failing_background_job_is_still_timed_and_its_error_surfaces():
         background.wait()
     assert background.report()["background/busy_s"] >= 0.02
     background.close()
+
+
+def test_a_steps_metrics_add_up_to_the_step_and_give_its_cpu_in_cores():
+    clock, cpu = Clock(), Clock()
+    timer = timer_with(clock, cpu, states=("wait_data", "train"))
+    timer.enter("wait_data")
+    clock.advance(0.5)
+    timer.enter("train")
+    clock.advance(1.5)
+    cpu.advance(3.0)  # one and a half cores busy through the step
+    first = timer.lap_metrics()
+    assert first == {
+        "time/other_s": 0.0, "time/other_frac": 0.0,
+        "time/train_s": 1.5, "time/train_frac": 0.75,
+        "time/wait_data_s": 0.5, "time/wait_data_frac": 0.25,
+        "time/step_s": 2.0, "time/cpu_cores": 1.5, "time/cpu_over_cores": 0.0,
+    }  # fmt: skip
+    clock.advance(1.0)  # still training: the next step's, and its CPU the next step's too
+    second = timer.lap_metrics()
+    assert (second["time/train_s"], second["time/step_s"], second["time/cpu_cores"]) == (
+        1.0,
+        1.0,
+        0.0,
+    )
