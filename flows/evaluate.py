@@ -71,16 +71,23 @@ def find_version(config: RunConfig, run_id: str, version: int | None) -> Committ
         )
     registry = run_registry(config, run_id)
     if version is None:
-        latest = registry.latest()
+        latest = registry.newest_durable()
         if latest is None:
             raise VersionNotFound(f"run '{run_id}' has no committed policy versions yet")
         return latest
     found = registry.get(version) if version >= 0 else None
     if found is None:
-        committed = [v.policy_version for v in registry.versions()]
+        committed = [v.policy_version for v in registry.versions() if not v.lost]
         raise VersionNotFound(
             f"run '{run_id}' has no policy version {version} "
             f"(committed: {_describe_versions(committed)})"
+        )
+    if not found.durable:
+        durable = registry.newest_durable()
+        raise VersionNotFound(
+            f"policy version {version} of run '{run_id}' is {found.durability}, not durable: "
+            "its weights are not committed to storage"
+            + (f" (the newest durable one is {durable.policy_version})" if durable else "")
         )
     return found
 

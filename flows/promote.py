@@ -89,7 +89,7 @@ def promote(
             f"run {run_id!r} has no registered model {name!r} in {config.tracking.uri}"
         )
     registry = run_registry(config, run_id)
-    version = registry.latest() if policy_version is None else registry.get(policy_version)
+    version = registry.newest_durable() if policy_version is None else registry.get(policy_version)
     if version is None:
         which = (
             "no committed version"

@@ -44,6 +44,7 @@ from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import ROLES, run_paths, run_registry, write_start
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
+from sluice.tasks.run.status import flow_reporter
 from sluice.tasks.run.versions import serving_start
 
 
@@ -59,7 +60,7 @@ def prepare_resume(config: RunConfig, run_id: str) -> str | None:
     when the earlier flow finished and closed it.
     """
     registry = run_registry(config, run_id)
-    latest = registry.latest()
+    latest = registry.newest_durable()
     if latest is None:
         raise ResumeError(
             f"run '{run_id}' has no committed policy version in {config.tracking.uri}; "
@@ -121,6 +122,7 @@ def train(
         )
 
         prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
+        flow_reporter(config, paths).update(state="starting", activity="starting the roles")
         start = serving_start(config, run_registry(config, run_id))
         if start is not None:  # lets the rollout role start its server before its own imports
             write_start(config, run_id, start.policy_version, start.checkpoint_uri)

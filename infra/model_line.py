@@ -38,13 +38,8 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from sluice.infra.checkpoints import CheckpointError, verify_checkpoint
-from sluice.infra.registry import (
-    TAG_CHECKPOINT_DIGEST,
-    TAG_KEEP,
-    CheckpointRegistry,
-    CommittedVersion,
-    RegistryError,
-)
+from sluice.infra.policy_version import TAG_CHECKPOINT_DIGEST, TAG_KEEP, CommittedVersion
+from sluice.infra.registry import CheckpointRegistry, RegistryError
 from sluice.infra.tracking import get_client
 from sluice.infra.tracking_config import PromotionTarget
 
@@ -106,8 +101,14 @@ def _checked_source(
     )
     if version.deleted:
         raise PromotionError(gone)
-    registry.set_tag(version.policy_version, TAG_KEEP, "true")
-    pinned = registry.get(version.policy_version)
+    if not version.durable:
+        raise PromotionError(
+            f"{where} cannot be promoted: it is {version.durability}, not durable (its "
+            "trainer state and weights are not committed to storage); promote a durable "
+            f"version, e.g. the newest, alias {registry.durable_alias!r}"
+        )
+    registry.set_tag(version.policy_version, TAG_KEEP, "true", incarnation=version.incarnation)
+    pinned = registry.get(version.policy_version, incarnation=version.incarnation)
     if pinned is None:
         raise PromotionError(f"{where} is not committed in {registry.tracking_uri}")
     if pinned.deleted:  # retention got there between the first look and the pin

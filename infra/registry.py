@@ -1,20 +1,37 @@
-"""The checkpoint registry: committed policy versions as MLflow model versions.
+"""The checkpoint registry: policy versions as MLflow model versions, servable and durable.
 
-The trainer publishes policy version k by (1) saving the weights as a checkpoint
-(``sluice.infra.checkpoints.save_checkpoint``, manifest last) and (2) calling
-``CheckpointRegistry.commit``, which verifies the manifest, creates an MLflow model version
-whose source is the checkpoint URI, and moves an alias onto it. The rollout side polls
-``latest()`` (one indexed alias lookup) and reloads weights when the policy version grows;
-that poll is what gates reloads under the staleness bound (docs/design.md §2).
+A policy version is named by (incarnation r, step k) (docs/design.md §2): r rises at
+every trainer start, k counts optimizer steps along the lineage. Every "newer than" test
+compares the pair (``CommittedVersion.identity``), so a trainer restarted from step 120
+after versions up to 124 were served names its next version (r+1, 121), never a second
+(r, 121).
+
+The trainer publishes a version by calling ``CheckpointRegistry.commit``, which verifies
+the checkpoint's manifest, creates an MLflow model version whose source is the
+checkpoint URI, tagged with r, k and ``sluice.durable``, and moves the *servable* alias
+(the configured one, ``newest`` by default) onto it. The rollout side polls
+``newest_servable()`` (one indexed alias lookup) and reloads weights when it moves: that
+poll is what gates reloads under the staleness bound. A version is *durable* once its
+weights, trainer state and consumed list are on storage, hashed and committed; then the
+second alias, ``<alias>-durable``, moves onto it (``mark_durable``, or ``commit(...,
+durable=True)`` in one call). Whatever fetches bytes from storage (a cold server,
+evaluation, promotion, reports, retention, a user's ``models:/NAME@newest-durable``)
+reads ``newest_durable()``.
+
+``sluice.durable`` says which of the two a version is (``sluice.infra.policy_version``).
 
 Guarantees:
 
 - No model version exists for a checkpoint whose manifest is missing or whose files are
   missing or short: verification runs before anything is written to MLflow.
-- One policy version maps to at most one model version. ``commit`` is idempotent, so a
-  trainer that crashed anywhere inside it simply calls it again.
-- The alias never moves backwards: committing a policy version at or below the one the
-  alias points at is refused (it would mean a stale trainer is still publishing).
+- One (r, k) maps to at most one model version. ``commit`` is idempotent, so a trainer
+  that crashed anywhere inside it simply calls it again.
+- The aliases never move backwards: committing a version at or below the one the
+  servable alias points at is refused (it would mean a stale trainer is still
+  publishing). The one exception is a lineage reset (``reset_lineage``): versions newer
+  than the newest durable one are marked lost and the servable alias goes back to it.
+- The durable alias never points at a version that is not durable, and the servable
+  alias never at a lost one.
 
 Departures and choices:
 
@@ -22,7 +39,7 @@ Departures and choices:
   (``models:/<run model>@newest``). MLflow reserves ``latest`` and ``v<digits>``; such a
   configured alias is stored as ``sluice-<alias>`` (``mlflow_alias`` says which). Runs
   written while the default was ``latest`` carry ``sluice-latest``. The two defaults
-  stand in for each other: where the configured one is absent, ``latest()`` reads the
+  stand in for each other: where the configured one is absent, ``newest_servable()`` reads the
   other, and the next move of the alias sets the configured one and removes the other.
 - Evaluation results are tags ``sluice.eval.reward`` and ``sluice.eval.pass_at_<k>``
   (``eval_tag``); the ``eval.*`` tags of versions scored before read as the same names.
@@ -42,35 +59,36 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
-from pydantic import BaseModel, ConfigDict
 
 from sluice.infra.checkpoints import canonical_url, verify_checkpoint
 from sluice.infra.failpoints import failpoint
+from sluice.infra.policy_version import (
+    DURABLE,
+    DURABLE_ALIAS_SUFFIX,
+    LOST,
+    PENDING,
+    RESERVED_TAGS,
+    SKIPPED,
+    TAG_CHECKPOINT_DIGEST,
+    TAG_DELETED,
+    TAG_DURABLE,
+    TAG_INCARNATION,
+    TAG_POLICY_VERSION,
+    TAG_RUN_ID,
+    TAG_TRAINER_STEP,
+    CommittedVersion,
+    as_committed,
+    check_incarnation,
+    check_policy_version,
+)
 from sluice.infra.tracking import get_client
 from sluice.infra.tracking_config import DEFAULT_ALIAS, MLFLOW_RESERVED_ALIAS
 
-TAG_POLICY_VERSION = "sluice.policy_version"
-TAG_TRAINER_STEP = "sluice.trainer_step"
-TAG_RUN_ID = "sluice.run_id"
-TAG_CHECKPOINT_DIGEST = "sluice.checkpoint_digest"
-TAG_DELETED = "sluice.deleted"
-"""Set ("true") on a version whose checkpoint retention deleted: nothing may load it."""
-TAG_KEEP = "sluice.keep"
-"""Set it ("true") on a version, in the MLflow UI or with ``set_tag``, to keep its
-checkpoint through retention (an alias on the version does the same)."""
-RESERVED_TAGS = frozenset(
-    {TAG_POLICY_VERSION, TAG_TRAINER_STEP, TAG_RUN_ID, TAG_CHECKPOINT_DIGEST, TAG_DELETED}
-)
-TAG_EVAL_PREFIX = "sluice.eval."
-TAG_EVAL_REWARD = "sluice.eval.reward"
-"""Mean held-out reward of a version, set by the evaluate role once it scored it."""
 LEGACY_ALIAS = "sluice-latest"
 """The run's alias as stored while the default alias was ``latest`` (MLflow reserves it)."""
 _DEFAULT_ALIASES = (DEFAULT_ALIAS, LEGACY_ALIAS)
 
-_LEGACY_EVAL_TAG = re.compile(r"^eval\.(reward|pass_at_\d+)$")
 _ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 # Far above any run's version count, far below MLflow's 200k page cap.
 _PAGE_SIZE = 1000
@@ -84,78 +102,9 @@ class PolicyVersionConflict(RegistryError, ValueError):
     """A commit would move the alias backwards or re-point an already committed version."""
 
 
-class CommittedVersion(BaseModel):
-    """One committed policy version, as the rollout side and evaluators see it."""
-
-    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
-
-    policy_version: int
-    """Trainer-side policy version (0 = initial weights; the k-th update publishes k)."""
-    checkpoint_uri: str
-    """Absolute fsspec URL of the checkpoint directory (the model version's source)."""
-    model_version: int
-    """MLflow model version number (MLflow's own counter, not the policy version)."""
-    trainer_step: int | None
-    """Optimizer step that produced these weights, when the trainer said so."""
-    run_id: str | None
-    """MLflow run that produced this version."""
-    checkpoint_digest: str | None
-    """Manifest digest of the checkpoint (equal digests mean identical weights)."""
-    created_at_ms: int
-    """When the model version was created, in ms since the epoch."""
-    tags: dict[str, str]
-    """All tags of the model version, Sluice's own and the caller's (staleness, eval...)."""
-
-    @property
-    def deleted(self) -> bool:
-        """Whether retention deleted this version's checkpoint (it stays listed, unloadable)."""
-        return self.tags.get(TAG_DELETED) == "true"
-
-    @property
-    def kept(self) -> bool:
-        """Whether a person pinned this version through retention (tag ``sluice.keep``)."""
-        return self.tags.get(TAG_KEEP, "").strip().lower() in ("true", "1", "yes")
-
-
-def eval_tag(name: str) -> str:
-    """The model-version tag of evaluation result `name`: 'reward' -> 'sluice.eval.reward'."""
-    return f"{TAG_EVAL_PREFIX}{name}"
-
-
-def _as_committed(version: ModelVersion) -> CommittedVersion | None:
-    tags = dict(version.tags or {})
-    for key, value in list(tags.items()):
-        # Versions scored before the `sluice.` namespace carry `eval.reward` etc.
-        if _LEGACY_EVAL_TAG.match(key):
-            tags.setdefault(f"sluice.{key}", value)
-    raw = tags.get(TAG_POLICY_VERSION)
-    if raw is None:
-        return None  # a version registered by hand, not by Sluice: ignore it
-    step = tags.get(TAG_TRAINER_STEP)
-    return CommittedVersion(
-        policy_version=int(raw),
-        checkpoint_uri=str(version.source),
-        model_version=int(version.version),
-        trainer_step=int(step) if step not in (None, "") else None,
-        run_id=tags.get(TAG_RUN_ID) or None,
-        checkpoint_digest=tags.get(TAG_CHECKPOINT_DIGEST) or None,
-        created_at_ms=int(version.creation_timestamp or 0),
-        tags=tags,
-    )
-
-
-def _check_policy_version(policy_version: Any) -> int:
-    if (
-        isinstance(policy_version, bool)
-        or not isinstance(policy_version, int)
-        or policy_version < 0
-    ):
-        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
-    return policy_version
-
-
 class CheckpointRegistry:
-    """Committed policy versions of one registered model, with a forward-only alias."""
+    """Policy versions of one registered model: a forward-only servable alias and a
+    forward-only durable alias (module notes)."""
 
     def __init__(
         self,
@@ -168,10 +117,11 @@ class CheckpointRegistry:
     ) -> None:
         """Connect to MLflow at `tracking_uri` and make sure `model_name` is registered.
 
-        `alias` names the pointer to the newest committed version (see module notes on
-        MLflow's reserved names). `verify_hashes` makes `commit` re-hash every file.
-        `storage_options` are the fsspec options used to read checkpoint manifests.
-        Raises TrackingUnavailable naming the URI when MLflow cannot be reached.
+        `alias` names the pointer to the newest servable version (see module notes on
+        MLflow's reserved names); the newest durable one is `alias` + ``-durable``.
+        `verify_hashes` makes `commit` re-hash every file. `storage_options` are the
+        fsspec options used to read checkpoint manifests. Raises TrackingUnavailable
+        naming the URI when MLflow cannot be reached.
         """
         if not isinstance(model_name, str) or not model_name or "'" in model_name:
             raise ValueError(f"registered model name must be non-empty, no quotes: {model_name!r}")
@@ -183,6 +133,7 @@ class CheckpointRegistry:
         self.model_name = model_name
         self.alias = alias
         self.mlflow_alias = f"sluice-{alias}" if MLFLOW_RESERVED_ALIAS.match(alias) else alias
+        self.durable_alias = f"{self.mlflow_alias}{DURABLE_ALIAS_SUFFIX}"
         # A default name is read, while absent, through the other (module notes).
         others = [a for a in _DEFAULT_ALIASES if a != self.mlflow_alias]
         fallback = others if self.mlflow_alias in _DEFAULT_ALIASES else []
@@ -214,30 +165,59 @@ class CheckpointRegistry:
             try:
                 self._client.create_registered_model(
                     self.model_name,
-                    description="Sluice policy: one model version per committed policy version.",
+                    description="Sluice policy: one model version per published policy version.",
                 )
             except MlflowException as exc:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # another process won the race
                     raise
 
-    def _find(self, policy_version: int) -> list[ModelVersion]:
+    def _find(self, policy_version: int, incarnation: int | None = None) -> list[CommittedVersion]:
+        """Every version of step `policy_version` (of `incarnation` only, when given),
+        oldest incarnation first."""
         query = f"name = '{self.model_name}' and tags.`{TAG_POLICY_VERSION}` = '{policy_version}'"
         with self._mlflow(f"looking up policy version {policy_version}"):
             found = list(self._client.search_model_versions(query, max_results=_PAGE_SIZE))
-        return sorted(found, key=lambda v: int(v.version))
+        versions = [c for c in map(as_committed, found) if c is not None]
+        if incarnation is not None:
+            versions = [c for c in versions if c.incarnation == incarnation]
+        return sorted(versions, key=lambda c: (c.incarnation, c.model_version))
+
+    def _set_alias(self, alias: str, committed: CommittedVersion) -> None:
+        with self._mlflow(f"moving alias {alias!r}"):
+            self._client.set_registered_model_alias(
+                self.model_name, alias, str(committed.model_version)
+            )
 
     def _move_alias_forward(self, committed: CommittedVersion) -> None:
         current, read_from = self._aliased()
-        if current is not None and current.policy_version >= committed.policy_version:
+        if current is not None and current.identity >= committed.identity and not current.lost:
             if read_from == self.mlflow_alias:
                 return
             committed = current  # a run from before `newest`: adopt where its alias points
-        with self._mlflow(f"moving alias {self.mlflow_alias!r}"):
-            self._client.set_registered_model_alias(
-                self.model_name, self.mlflow_alias, str(committed.model_version)
-            )
-            if read_from not in (None, self.mlflow_alias):  # set first: a poller finds one
+        self._set_alias(self.mlflow_alias, committed)
+        if read_from not in (None, self.mlflow_alias):  # set first: a poller finds one
+            with self._mlflow(f"moving alias {self.mlflow_alias!r}"):
                 self._client.delete_registered_model_alias(self.model_name, read_from)
+
+    def _move_durable_alias_forward(self, committed: CommittedVersion) -> None:
+        current = self._read_alias(self.durable_alias)
+        if current is None or current.identity < committed.identity:
+            self._set_alias(self.durable_alias, committed)
+
+    def _tag(self, committed: CommittedVersion, key: str, value: str) -> None:
+        with self._mlflow(f"tagging policy version {committed.name}"):
+            self._client.set_model_version_tag(
+                self.model_name, str(committed.model_version), key, value
+            )
+
+    def _resolve(self, policy_version: int, incarnation: int | None) -> CommittedVersion:
+        found = self.get(policy_version, incarnation=incarnation)
+        if found is None:
+            which = "" if incarnation is None else f" of incarnation {incarnation}"
+            raise RegistryError(
+                f"policy version {policy_version}{which} of {self.model_name!r} is not committed"
+            )
+        return found
 
     # ------------------------------------------------------------ writing
 
@@ -249,18 +229,24 @@ class CheckpointRegistry:
         tags: Mapping[str, Any] | None = None,
         *,
         trainer_step: int | None = None,
+        incarnation: int = 0,
+        durable: bool = True,
     ) -> CommittedVersion:
-        """Register the durable checkpoint at `checkpoint_uri` as `policy_version`.
+        """Register the checkpoint at `checkpoint_uri` as version (`incarnation`,
+        `policy_version`) and make it the newest servable one (and, when `durable`, the
+        newest durable one too).
 
         Order: verify the checkpoint manifest (CheckpointIncomplete, nothing registered);
-        return the existing version if this policy version was already committed with the
-        same checkpoint (retry); refuse with PolicyVersionConflict if the alias already
-        points at this or a newer policy version, or if the policy version was committed
-        with a different checkpoint; create the model version (source = checkpoint URI,
-        tags sluice.policy_version / trainer_step / run_id / checkpoint_digest plus
-        `tags`); move the alias. `trainer_step` defaults to `policy_version`.
+        return the existing version if this (r, k) was already registered with the same
+        checkpoint (a retry; a durable retry of a pending version marks it durable);
+        refuse with PolicyVersionConflict if the servable alias already points at this
+        or a newer (r, k), or if this (r, k) was registered with a different checkpoint;
+        create the model version (source = checkpoint URI, tags sluice.policy_version /
+        incarnation / durable / trainer_step / run_id / checkpoint_digest plus `tags`);
+        move the aliases. `trainer_step` defaults to `policy_version`.
         """
-        policy_version = _check_policy_version(policy_version)
+        policy_version = check_policy_version(policy_version)
+        incarnation = check_incarnation(incarnation)
         extra = {str(k): str(v) for k, v in (tags or {}).items()}
         clashing = sorted(RESERVED_TAGS & extra.keys())
         if clashing:
@@ -270,10 +256,9 @@ class CheckpointRegistry:
             checkpoint_uri, self.storage_options, check_hashes=self.verify_hashes
         )
 
-        existing = self._find(policy_version)
+        existing = self._find(policy_version, incarnation)
         if existing:
-            committed = _as_committed(existing[0])
-            assert committed is not None  # found by its policy-version tag
+            committed = existing[0]
             # Same weights (digest) is a retry, whatever URL they were saved under.
             if committed.checkpoint_digest is not None:
                 differs = committed.checkpoint_digest != manifest.digest
@@ -281,23 +266,35 @@ class CheckpointRegistry:
                 differs = committed.checkpoint_uri != source
             if differs:
                 raise PolicyVersionConflict(
-                    f"policy version {policy_version} is already committed as model version "
+                    f"policy version {policy_version} is already committed (incarnation "
+                    f"{incarnation}) as model version "
                     f"{committed.model_version} of {self.model_name!r} with checkpoint "
                     f"{committed.checkpoint_uri}; refusing to re-point it to {source}"
                 )
+            if committed.lost:
+                raise PolicyVersionConflict(
+                    f"policy version {committed.name} of {self.model_name!r} was marked lost "
+                    "(a trainer restarted from an older durable version); it cannot be "
+                    "published again"
+                )
             # A retry after a crash between creating the version and moving the alias.
             self._move_alias_forward(committed)
+            if durable:
+                return self.mark_durable(policy_version, incarnation=incarnation)
             return committed
 
-        current = self.latest()
-        if current is not None and current.policy_version >= policy_version:
+        current = self.newest_servable()
+        if current is not None and current.identity >= (incarnation, policy_version):
             raise PolicyVersionConflict(
-                f"refusing to commit policy version {policy_version} of {self.model_name!r}: "
-                f"alias {self.alias!r} already points at policy version "
-                f"{current.policy_version} (policy versions only move forward)"
+                f"refusing to publish policy version {policy_version} of incarnation "
+                f"{incarnation} of {self.model_name!r}: alias {self.alias!r} already points "
+                f"at {current.name} (incarnation {current.incarnation}, step "
+                f"{current.policy_version}); versions only move forward"
             )
         all_tags = {
             TAG_POLICY_VERSION: str(policy_version),
+            TAG_INCARNATION: str(incarnation),
+            TAG_DURABLE: DURABLE if durable else PENDING,
             TAG_TRAINER_STEP: str(policy_version if trainer_step is None else trainer_step),
             TAG_RUN_ID: run_id or "",
             TAG_CHECKPOINT_DIGEST: manifest.digest,
@@ -305,55 +302,95 @@ class CheckpointRegistry:
         }
         with self._mlflow(f"creating policy version {policy_version}"):
             # Tags go in with the version in one call: a version never exists untagged, so a
-            # retry can always find it by policy version.
+            # retry can always find it by (r, k).
             created = self._client.create_model_version(
                 self.model_name,
                 source=source,
                 run_id=run_id,
                 tags=all_tags,
-                description=f"Sluice policy version {policy_version}",
+                description=f"Sluice policy version {policy_version} (incarnation {incarnation})",
             )
-        committed = _as_committed(created)
-        assert committed is not None
+        made = as_committed(created)
+        assert made is not None
         failpoint("registry.before_alias")
-        self._move_alias_forward(committed)
+        self._move_alias_forward(made)
+        if durable:
+            self._move_durable_alias_forward(made)
+        return made
+
+    def mark_durable(self, policy_version: int, *, incarnation: int = 0) -> CommittedVersion:
+        """Tag (r, k) durable and move the durable alias onto it if it is the newest
+        durable one. Refused for a lost version (its successor lineage may not hold
+        it). Idempotent."""
+        committed = self._resolve(check_policy_version(policy_version), incarnation)
+        if committed.lost:
+            raise PolicyVersionConflict(
+                f"policy version {committed.name} of {self.model_name!r} was marked lost; "
+                "it cannot become durable"
+            )
+        if not committed.durable:
+            self._tag(committed, TAG_DURABLE, DURABLE)
+            committed = committed.model_copy(
+                update={"tags": {**committed.tags, TAG_DURABLE: DURABLE}}
+            )
+        self._move_durable_alias_forward(committed)
         return committed
 
-    def set_tag(self, policy_version: int, key: str, value: Any) -> None:
-        """Tag a committed version (e.g. 'sluice.eval.pass_at_1' = 0.41 after evaluation)."""
-        policy_version = _check_policy_version(policy_version)
+    def mark_skipped(self, policy_version: int, *, incarnation: int = 0) -> None:
+        """Tag a pending (r, k) ``skipped``: servable, and durability will not follow."""
+        committed = self._resolve(check_policy_version(policy_version), incarnation)
+        if committed.durability == PENDING:
+            self._tag(committed, TAG_DURABLE, SKIPPED)
+
+    def reset_lineage(self, durable: CommittedVersion) -> list[CommittedVersion]:
+        """Start a new incarnation from `durable`, the newest durable version: every
+        version after it (all of them not durable) is tagged ``lost``, and the servable
+        alias moves back onto `durable` (the one backwards move the aliases make).
+        Returns the versions marked lost, oldest first. Idempotent."""
+        if not durable.durable:
+            raise ValueError(f"policy version {durable.name} is not durable")
+        after = [c for c in self.versions() if c.identity > durable.identity]
+        made_durable = [c.name for c in after if c.durable]
+        if made_durable:
+            raise PolicyVersionConflict(
+                f"{', '.join(made_durable)} of {self.model_name!r} are durable and newer "
+                f"than {durable.name}: resume from the newest durable version"
+            )
+        lost = []
+        for committed in after:
+            if not committed.lost:
+                self._tag(committed, TAG_DURABLE, LOST)
+            lost.append(committed)
+        current, _ = self._aliased()
+        if current is None or current.identity != durable.identity:
+            self._set_alias(self.mlflow_alias, durable)
+        self._move_durable_alias_forward(durable)
+        return lost
+
+    def set_tag(
+        self, policy_version: int, key: str, value: Any, *, incarnation: int | None = None
+    ) -> None:
+        """Tag a registered version (e.g. 'sluice.eval.pass_at_1' = 0.41 after
+        evaluation); `incarnation` None means step `policy_version` of the surviving
+        lineage."""
+        policy_version = check_policy_version(policy_version)
         if key in RESERVED_TAGS:
             raise ValueError(f"tag {key!r} is set by the registry itself and cannot be changed")
-        found = self._find(policy_version)
-        if not found:
-            raise RegistryError(
-                f"policy version {policy_version} of {self.model_name!r} is not committed"
-            )
-        with self._mlflow(f"tagging policy version {policy_version}"):
-            self._client.set_model_version_tag(
-                self.model_name, str(found[0].version), key, str(value)
-            )
+        self._tag(self._resolve(policy_version, incarnation), key, str(value))
 
-    def mark_deleted(self, policy_version: int) -> None:
-        """Tag committed `policy_version` as deleted (``sluice.deleted``), before its files go.
+    def mark_deleted(self, policy_version: int, *, incarnation: int | None = None) -> None:
+        """Tag registered `policy_version` as deleted (``sluice.deleted``), before its
+        files go.
 
-        Readers skip such versions; the alias never points at one (retention keeps the
+        Readers skip such versions; the aliases never point at one (retention keeps the
         newest). Idempotent.
         """
-        policy_version = _check_policy_version(policy_version)
-        found = self._find(policy_version)
-        if not found:
-            raise RegistryError(
-                f"policy version {policy_version} of {self.model_name!r} is not committed"
-            )
-        with self._mlflow(f"marking policy version {policy_version} deleted"):
-            self._client.set_model_version_tag(
-                self.model_name, str(found[0].version), TAG_DELETED, "true"
-            )
+        committed = self._resolve(check_policy_version(policy_version), incarnation)
+        self._tag(committed, TAG_DELETED, "true")
 
     def aliased_versions(self, committed: list[CommittedVersion] | None = None) -> dict[str, int]:
         """Every alias of the registered model and the policy version it points at
-        (Sluice's own alias included; a version registered by hand is left out).
+        (Sluice's own aliases included; a version registered by hand is left out).
         `committed` saves listing the versions again when the caller just did."""
         with self._mlflow("reading aliases"):
             aliases = dict(self._client.get_registered_model(self.model_name).aliases or {})
@@ -366,53 +403,84 @@ class CheckpointRegistry:
         }
 
     def sync_alias(self) -> CommittedVersion | None:
-        """Move the alias to the highest committed policy version; return it.
+        """Repair the aliases after a crash; return the newest durable version.
 
-        The training roles call this when they start (`TrainingRole.start_version`): a crash
-        between creating a version and moving the alias leaves the alias one version
-        behind, and the trainer must continue from the newest durable version, not the
-        alias.
+        A crash between creating a version and moving an alias leaves that alias one
+        version behind: the servable alias moves to the newest version that is not lost,
+        the durable alias to the newest durable one. The training roles call this when
+        they start (`TrainingRole.start_version`), before `reset_lineage`.
         """
         committed = self.versions()
-        if not committed:
+        alive = [c for c in committed if not c.lost]
+        if not alive:
             return None
-        self._move_alias_forward(committed[-1])
-        return committed[-1]
+        self._move_alias_forward(alive[-1])
+        durable = [c for c in committed if c.durable]
+        if not durable:
+            return None
+        self._move_durable_alias_forward(durable[-1])
+        return durable[-1]
 
     # ------------------------------------------------------------ reading
 
-    def latest(self) -> CommittedVersion | None:
-        """The version the alias points at, or None before the first commit.
+    def newest_servable(self) -> CommittedVersion | None:
+        """The version the servable alias points at (what the rollout serves), or None
+        before the first commit.
 
         One indexed lookup of the alias and its version: cheap enough to poll every
         `poll_interval_s` from every rollout worker. With a default alias name, a run
         written under the other default (`sluice-latest`) is read through that name.
+        Its bytes may be nowhere but in the trainer's sender: whatever fetches from
+        storage reads `newest_durable`.
         """
         return self._aliased()[0]
 
+    def newest_durable(self) -> CommittedVersion | None:
+        """The newest durable version (weights, trainer state and consumed list on
+        storage), or None before the first. A run from before the durable alias had
+        every version durable: its servable alias is read then."""
+        found = self._read_alias(self.durable_alias)
+        if found is not None:
+            return found
+        servable = self.newest_servable()
+        if servable is None or servable.durable:
+            return servable
+        durable = [c for c in self.versions() if c.durable]
+        return durable[-1] if durable else None
+
+    def _read_alias(self, alias: str) -> CommittedVersion | None:
+        try:
+            version = self._client.get_model_version_by_alias(self.model_name, alias)
+        except MlflowException as exc:
+            if exc.error_code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
+                return None  # alias not set (yet)
+            raise RegistryError(
+                f"reading alias {alias!r} of {self.model_name!r} failed at "
+                f"{self.tracking_uri}: {exc.message}"
+            ) from exc
+        return as_committed(version)
+
     def _aliased(self) -> tuple[CommittedVersion | None, str | None]:
-        """The version the alias points at and the alias it was read from (the configured
-        one, else the other default name), or (None, None)."""
+        """The version the servable alias points at and the alias it was read from (the
+        configured one, else the other default name), or (None, None)."""
         for alias in self._alias_reads:
-            try:
-                version = self._client.get_model_version_by_alias(self.model_name, alias)
-            except MlflowException as exc:
-                if exc.error_code in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
-                    continue  # alias not set (yet)
-                raise RegistryError(
-                    f"reading alias {alias!r} of {self.model_name!r} failed at "
-                    f"{self.tracking_uri}: {exc.message}"
-                ) from exc
-            return _as_committed(version), alias
+            found = self._read_alias(alias)
+            if found is not None:
+                return found, alias
         return None, None
 
-    def get(self, policy_version: int) -> CommittedVersion | None:
-        """The committed version for `policy_version`, or None if it was never committed."""
-        found = self._find(_check_policy_version(policy_version))
-        return _as_committed(found[0]) if found else None
+    def get(
+        self, policy_version: int, *, incarnation: int | None = None
+    ) -> CommittedVersion | None:
+        """Step `policy_version` of the surviving lineage (the newest incarnation's, not
+        lost), or of `incarnation` when given (lost or not); None if there is none."""
+        found = self._find(check_policy_version(policy_version), incarnation)
+        if incarnation is None:
+            found = [c for c in found if not c.lost]
+        return found[-1] if found else None
 
     def versions(self) -> list[CommittedVersion]:
-        """Every committed policy version, oldest first."""
+        """Every registered version, lost ones included, oldest (r, k) first."""
         out: list[CommittedVersion] = []
         token: str | None = None
         with self._mlflow("listing versions"):
@@ -420,8 +488,12 @@ class CheckpointRegistry:
                 page = self._client.search_model_versions(
                     f"name = '{self.model_name}'", max_results=_PAGE_SIZE, page_token=token
                 )
-                out.extend(c for c in map(_as_committed, page) if c is not None)
+                out.extend(c for c in map(as_committed, page) if c is not None)
                 token = page.token
                 if not token:
                     break
-        return sorted(out, key=lambda c: c.policy_version)
+        return sorted(out, key=lambda c: c.identity)
+
+    def next_incarnation(self) -> int:
+        """One more than the highest incarnation any version of this model carries."""
+        return 1 + max((c.incarnation for c in self.versions()), default=0)

@@ -37,13 +37,8 @@ from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.evaluation import heldout_metrics
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
-from sluice.infra.registry import (
-    TAG_EVAL_REWARD,
-    CheckpointRegistry,
-    CommittedVersion,
-    RegistryError,
-    eval_tag,
-)
+from sluice.infra.policy_version import TAG_EVAL_REWARD, CommittedVersion, eval_tag
+from sluice.infra.registry import CheckpointRegistry, RegistryError
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
@@ -267,12 +262,15 @@ class EvaluateRole(Role):
             versions = [
                 v
                 for v in registry.versions()
-                if v.policy_version not in done and v.policy_version > newest and not v.deleted
+                if v.policy_version not in done
+                and v.policy_version > newest
+                and v.durable
+                and not v.deleted
             ]
             wanted = [v for v in versions if should_evaluate(v.policy_version, cfg)]
             if finished and not wanted:
                 # The run ended: make sure the newest version was evaluated, then leave.
-                latest = registry.latest()
+                latest = registry.newest_durable()
                 if latest is not None and latest.policy_version not in done:
                     wanted = [latest]
                 else:

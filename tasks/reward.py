@@ -207,7 +207,7 @@ class RewardRole(Role):
                 log.warning(
                     "version 0 cannot be read (%s); the tokenizer comes from the newest", err
                 )
-        return fetch_tokenizer(self.config, self.registry.latest() or first, cache)
+        return fetch_tokenizer(self.config, self.registry.newest_durable() or first, cache)
 
     def run(self) -> None:
         cfg = self.config

@@ -177,7 +177,7 @@ class Role:
         while True:
             if self.control.should_stop():
                 raise StopRequested
-            latest = self.registry.latest()
+            latest = self.registry.newest_durable()
             if latest is not None:
                 return latest
             if deadline is not None and time.monotonic() >= deadline:

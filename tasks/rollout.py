@@ -141,7 +141,7 @@ class RolloutRole(Role):
     # ------------------------------------------------------------ weights
 
     async def maybe_update_weights(self, client: InferenceClient) -> None:
-        latest = await asyncio.to_thread(self.registry.latest)
+        latest = await asyncio.to_thread(self.registry.newest_servable)
         if (
             latest is None
             or self.current is None

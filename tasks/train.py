@@ -343,7 +343,7 @@ class TrainRole(TrainingRole):
         self.finish_publish()
         self.background.close()
         self.stop_sender()
-        latest = self.registry.latest()
+        latest = self.registry.newest_durable()
         self.status.update(force=True, state="stopped", **self.watch.status())
         last_good = latest.policy_version if latest is not None else 0
         log.error(f"train stops: {WATCHDOG_MARK}%s", stop_line(firing, last_good))

@@ -15,6 +15,7 @@ batch's samples counted by staleness (`staleness_counts`).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +37,7 @@ from sluice.tasks.process.following_ranks import join, start_following_ranks
 from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.process.trainer_factory import build_rank_trainer
 from sluice.tasks.role import Role
-from sluice.tasks.run.paths import filesystem
+from sluice.tasks.run.paths import filesystem, read_json, write_json
 from sluice.tasks.run.retention import Retention
 from sluice.tasks.run.versions import (
     SavedVersion,
@@ -48,6 +49,8 @@ from sluice.tasks.run.versions import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+log = logging.getLogger("sluice.train")
 
 
 def build_trainer(
@@ -117,6 +120,8 @@ def staleness_counts(table: pa.Table, policy_version: int, max_staleness: int) -
 
 TRAINER_LEASE = "trainer.lease.json"
 """Control-dir document of the run's trainer lease."""
+INCARNATION_FILE = "trainer.incarnation.json"
+"""Control-dir document: the incarnation r the newest trainer start took."""
 LEASE_TTL_S = 60.0
 """A dead trainer's lease expires this long after its last renewal (a restart on the
 same host takes it over at once)."""
@@ -130,6 +135,8 @@ class TrainingRole(Role):
     """Appended to the done marker's reason ("trained N steps{note}")."""
 
     lease: StorageLease | None = None
+    incarnation: int = 0
+    """This trainer's incarnation r (`claim_incarnation`), in every version it publishes."""
     system_metrics: SystemMetrics | None = None
     _retention: Retention | None = None
     _base_reference: dict[str, Any] | None = None
@@ -166,16 +173,39 @@ class TrainingRole(Role):
 
     def start_version(self) -> CommittedVersion:
         """The newest durable policy version, the one training goes on from (taken with
-        the run's trainer lease).
+        the run's trainer lease), and this trainer's incarnation.
 
-        A crash between creating a version in the registry and moving the alias leaves
-        the alias one version behind; moving it forward first (`sync_alias`) makes a
-        resumed role continue from the newest durable version, not retrain into a
-        version number that is already taken.
+        A crash between creating a version in the registry and moving an alias leaves
+        that alias one version behind: `sync_alias` moves it forward first. Versions
+        served after the newest durable one are then tagged lost (`reset_lineage`): this
+        trainer retrains their steps under a new incarnation r, so every (r, k) it
+        publishes names new weights and is newer than anything served before.
         """
         self.claim_run()
         first = self.wait_for_first_version()
-        return self.registry.sync_alias() or first
+        durable = self.registry.sync_alias() or first
+        self.incarnation = self.claim_incarnation()
+        lost = self.registry.reset_lineage(durable)
+        if lost:
+            log.warning(
+                "resumed from %s; %s were served, not durable: %d steps are retrained",
+                durable.name,
+                ", ".join(v.name for v in lost),
+                max(v.policy_version for v in lost) - durable.policy_version,
+            )
+        return durable
+
+    def claim_incarnation(self) -> int:
+        """This trainer's incarnation r: one more than any earlier start of the run (the
+        control dir's record, kept under the lease, so a trainer that died before it
+        published anything still used up its number) and than any registered version."""
+        url = f"{self.paths.control}/{INCARNATION_FILE}"
+        record = read_json(self.config, url) or {}
+        incarnation = max(int(record.get("incarnation", 0)) + 1, self.registry.next_incarnation())
+        if self.lease is not None:
+            self.lease.check()
+        write_json(self.config, url, {"incarnation": incarnation, "started_at": time.time()})
+        return incarnation
 
     def training_dir(self, version: CommittedVersion, local_root: Path) -> Path:
         """`version`'s policy and trainer state side by side, for `build_trainer`."""
@@ -234,7 +264,12 @@ class TrainingRole(Role):
             parts["train/commit_policy_s"] = time.monotonic() - started
             state.result()
         self.registry.commit(
-            version, uri, run_id=self.mlflow_run_id, tags=tags, trainer_step=version
+            version,
+            uri,
+            run_id=self.mlflow_run_id,
+            tags=tags,
+            trainer_step=version,
+            incarnation=self.incarnation,
         )
         self.last_commit_s = time.monotonic() - started
         self.last_commit_parts = {**parts, "train/commit_s": self.last_commit_s}

@@ -68,7 +68,7 @@ def _stream_lengths(config: RunConfig, run_id: str) -> tuple[list[int], list[int
 
 def measure_run(config: RunConfig, run_id: str, *, skip_steps: int = 5) -> RunMeasurements:
     """`config` is the run's own (``sluice.flows.run_dirs.resolve_run``)."""
-    latest = run_registry(config, run_id).latest()
+    latest = run_registry(config, run_id).newest_servable()
     if latest is None or not latest.run_id:
         raise MeasurementError(f"run '{run_id}' has no committed policy version to read")
     uri, mlflow_run_id = config.tracking.uri, latest.run_id

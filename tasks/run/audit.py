@@ -95,7 +95,7 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
     registry = run_registry(config, run_id)
     committed = registry.versions()
     audit.versions = [v.policy_version for v in committed]
-    latest = registry.latest()
+    latest = registry.newest_servable()
     audit.alias_version = latest.policy_version if latest else None
     paths = run_paths(config, run_id)
     for version in committed:

@@ -178,7 +178,7 @@ def ensure_version_zero(
     config: RunConfig, run_id: str, mlflow_run_id: str, say: Any = log.info
 ) -> dict[str, Any]:
     registry = run_registry(config, run_id)
-    latest = registry.latest()
+    latest = registry.newest_durable()
     if latest is not None:
         say(f"resuming from committed policy version {latest.policy_version}")
         return {

@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
-from sluice.infra.registry import TAG_EVAL_REWARD, eval_tag
+from sluice.infra.policy_version import TAG_EVAL_REWARD, eval_tag
 from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import (
     end_run,
@@ -324,7 +324,7 @@ def summarise(
     wall = get_metric_history(uri, mlflow_run_id, "train/wall_time_s")
     registry = run_registry(config, run_id)
     versions = registry.versions()
-    latest = registry.latest()
+    latest = registry.newest_durable()
     result: dict[str, Any] = {
         "run_id": run_id,
         "mlflow_run_id": mlflow_run_id,

@@ -30,7 +30,8 @@ import logging
 
 from sluice.infra.checkpoints import canonical_url, delete_checkpoint, open_checkpoint_fs
 from sluice.infra.config import RunConfig
-from sluice.infra.registry import TAG_EVAL_REWARD, CheckpointRegistry, CommittedVersion
+from sluice.infra.policy_version import TAG_EVAL_REWARD, CommittedVersion
+from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.storage import list_names
 from sluice.tasks.run.eval_schedule import should_evaluate
 from sluice.tasks.run.paths import START_FILE, RunPaths, read_json

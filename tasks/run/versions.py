@@ -269,11 +269,12 @@ def write_base_reference(policy_dir: Path, reference: dict[str, Any]) -> None:
 
 
 def serving_start(config: RunConfig, registry: CheckpointRegistry) -> CommittedVersion | None:
-    """The version servers start on: the newest, or for a LoRA run its base (version 0),
-    which every later version's adapter is applied to."""
+    """The version a cold server starts on, from storage: the newest durable one, or for a
+    LoRA run its base (version 0), which every later version's adapter is applied to.
+    The rollout then moves it to the newest servable version as it would any update."""
     if config.trainer.lora.rank:
         return registry.get(0)
-    return registry.latest()
+    return registry.newest_durable()
 
 
 def fetch_tokenizer(config: RunConfig, version: CommittedVersion, cache_dir: Path) -> Path:
@@ -334,12 +335,12 @@ def _side_by_side(sources: list[tuple[Path, str]], into: Path) -> Path:
 
 
 def superseded(registry: CheckpointRegistry, version: CommittedVersion) -> bool:
-    """Whether `version` was deleted by retention or a newer one is committed: a reader
-    that could not fetch it should move on to the newest instead of failing."""
-    now = registry.get(version.policy_version)
-    latest = registry.latest()
-    return (now is not None and now.deleted) or (
-        latest is not None and latest.policy_version > version.policy_version
+    """Whether `version` was deleted by retention or lost, or a newer one is servable: a
+    reader that could not fetch it should move on to the newest instead of failing."""
+    now = registry.get(version.policy_version, incarnation=version.incarnation)
+    latest = registry.newest_servable()
+    return (now is not None and (now.deleted or now.lost)) or (
+        latest is not None and latest.identity > version.identity
     )
 
 

@@ -239,7 +239,7 @@ def _poller(tracking_uri: str, model: str, options: dict, last_version: int, que
     deadline = time.monotonic() + 1800
     while newest < last_version and time.monotonic() < deadline:
         started = time.perf_counter()
-        latest = registry.latest()
+        latest = registry.newest_servable()
         latencies.append(time.perf_counter() - started)
         polls += 1
         if latest is None:

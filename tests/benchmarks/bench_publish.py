@@ -187,7 +187,7 @@ def publish_and_serve(
         registry = run_registry(config, run_id)
         current = 0
         while not stop.is_set():
-            latest = registry.latest()
+            latest = registry.newest_servable()
             if latest is not None and latest.policy_version > current:
                 counter.on, counter.remote_bytes, counter.opened = True, 0, set()
                 t0 = time.time()

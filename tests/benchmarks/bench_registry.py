@@ -1,6 +1,6 @@
 """How cheap is the rollout side's registry poll? Side-by-side latencies in one run.
 
-Rollout workers call ``CheckpointRegistry.latest()`` every ``poll_interval_s``. This
+Rollout workers call ``CheckpointRegistry.newest_servable()`` every ``poll_interval_s``. This
 script fills a sqlite MLflow registry with N committed policy versions and times, in the
 same process and interleaved:
 
@@ -77,8 +77,8 @@ def main() -> None:
         def list_all_poll() -> object:
             return registry.versions()[-1]
 
-        assert registry.latest() is not None
-        assert registry.latest().policy_version == args.versions  # type: ignore[union-attr]
+        assert registry.newest_servable() is not None
+        assert registry.newest_servable().policy_version == args.versions  # type: ignore[union-attr]
         methods = {
             "latest() [alias, cached client]": registry.latest,
             "fresh client + alias": fresh_client_poll,

@@ -25,7 +25,7 @@ from sluice.infra.tracking import get_client, log_metrics, start_or_resume_run
 def poll(uri: str, stop: multiprocessing.Event) -> None:
     registry = CheckpointRegistry(uri, "growth")
     while not stop.is_set():
-        registry.latest()
+        registry.newest_servable()
         time.sleep(0.5)
 
 

@@ -35,7 +35,7 @@ def test_megatron_backend_trains_publishes_hf_versions_and_resumes(prefect_api, 
     trainer = StreamReader(longer.storage.url, "mg", "scored", consumer="trainer")
     assert len(trainer.acked()) == 3 * longer.trainer.prompts_per_batch
 
-    newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
+    newest = Path(registry.newest_servable().checkpoint_uri.removeprefix("file://"))
     trainer_state = Path(run_paths(longer, "mg").trainer_state(3).removeprefix("file://"))
     state = json.loads((trainer_state / "trainer_state.json").read_text())
     assert state["backend"] == "megatron"
@@ -69,7 +69,7 @@ def test_a_two_rank_run_trains_with_a_following_rank_and_leaves_none(
     assert train(config, run_id=size)["final_policy_version"] == 2
 
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, size))
-    newest = Path(registry.latest().checkpoint_uri.removeprefix("file://"))
+    newest = Path(registry.newest_servable().checkpoint_uri.removeprefix("file://"))
     # Rank 1 kept its own optimizer shard beside rank 0's, in the version's trainer state;
     # the published folder holds rank 0's gathered HF weights only.
     state = Path(run_paths(config, size).trainer_state(2).removeprefix("file://"))

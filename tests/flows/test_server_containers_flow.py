@@ -69,7 +69,7 @@ def test_rollouts_go_through_a_server_container_that_is_restarted_after_a_kill(
 
     # The run trained to its last version with the server killed once on the way.
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, run_id))
-    assert registry.latest().policy_version == config.trainer.total_steps
+    assert registry.newest_servable().policy_version == config.trainer.total_steps
     assert killed == [f"sluice-{run_id}-server-0"]
     rollout = read_statuses(config, run_paths(config, run_id))["rollout"]
     assert rollout["server_recoveries"] >= 1

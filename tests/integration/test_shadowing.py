@@ -80,7 +80,7 @@ def test_a_run_from_a_directory_holding_tasks_py_trains_and_imports_the_users_pl
     registry_uri = f"sqlite:///{tmp_path}/mlflow.db"
     names = _registered_models(registry_uri)
     assert len(names) == 1
-    latest = CheckpointRegistry(registry_uri, names[0]).latest()
+    latest = CheckpointRegistry(registry_uri, names[0]).newest_servable()
     assert latest is not None and latest.policy_version == 3
 
 

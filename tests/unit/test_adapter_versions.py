@@ -97,7 +97,7 @@ def test_lora_servers_start_on_the_base(published) -> None:
         def get(self, version: int) -> CommittedVersion:
             return committed(version, base_uri)
 
-        def latest(self) -> CommittedVersion:
+        def newest_durable(self) -> CommittedVersion:
             return committed(1, adapter_uri)
 
     assert serving_start(config, Registry()).policy_version == 0  # type: ignore[arg-type]

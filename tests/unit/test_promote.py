@@ -23,7 +23,7 @@ from sluice.infra.model_line import (
     TAG_SOURCE_RUN,
     PromotionError,
 )
-from sluice.infra.registry import TAG_CHECKPOINT_DIGEST
+from sluice.infra.policy_version import TAG_CHECKPOINT_DIGEST
 from sluice.infra.tracking import get_client
 from sluice.tasks.run.paths import registered_model_name, run_registry
 from tests.unit.test_registry import checkpoint_files, committed_checkpoint

@@ -99,7 +99,7 @@ def test_a_published_version_holds_the_policy_only_and_its_trainer_state_lives_a
     role.publish(trainer, 1, [shard], {"reward_mean": "0.5"})
     role.finish_publish()
 
-    committed = role.registry.latest()
+    committed = role.registry.newest_servable()
     assert committed.policy_version == 1
     policy = {entry.name for entry in read_manifest(committed.checkpoint_uri).files}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= policy
@@ -132,7 +132,7 @@ def test_a_trainer_resumed_from_the_newest_version_restores_its_optimizer_exactl
     role.publish(first, 1, [], {})
     role.finish_publish()
 
-    resumed = make_trainer(role.training_dir(role.registry.latest(), tmp_path / "resume"))
+    resumed = make_trainer(role.training_dir(role.registry.newest_servable(), tmp_path / "resume"))
     saved_state, restored = first.optimizer.state_dict(), resumed.optimizer.state_dict()
     assert saved_state["state"].keys() == restored["state"].keys() != set()
     for key, moments in saved_state["state"].items():
@@ -153,7 +153,7 @@ def test_a_version_without_its_trainer_state_stops_the_resume_naming_it(config, 
     shutil.rmtree(local_path(role.paths.trainer_state(1)))
 
     with pytest.raises(CheckpointIncomplete, match="trainer state of policy version 1 is missing"):
-        role.training_dir(role.registry.latest(), role.local_root)
+        role.training_dir(role.registry.newest_servable(), role.local_root)
 
 
 def test_an_old_layout_version_still_resumes_and_its_readers_skip_the_trainer_state(
@@ -168,7 +168,7 @@ def test_an_old_layout_version_still_resumes_and_its_readers_skip_the_trainer_st
     trainer.save(old, extra={"policy_version": 1})  # no state_dir: everything in one folder
     (old / "consumed_shards.json").write_text(json.dumps(["shard-a"]))
     role.registry.commit(1, save_checkpoint(old, role.paths.checkpoint(1)))
-    committed = role.registry.latest()
+    committed = role.registry.newest_servable()
 
     resumed = make_trainer(role.training_dir(committed, tmp_path / "train"))
     assert resumed.steps_done == 1

@@ -29,12 +29,11 @@ from sluice.infra.checkpoints import (  # noqa: E402
     save_checkpoint,
     verify_checkpoint,
 )
+from sluice.infra.policy_version import TAG_EVAL_REWARD, eval_tag  # noqa: E402
 from sluice.infra.registry import (  # noqa: E402
-    TAG_EVAL_REWARD,
     CheckpointRegistry,
     PolicyVersionConflict,
     RegistryError,
-    eval_tag,
 )
 from sluice.infra.tracking import (  # noqa: E402
     EXPERIMENT_KIND,
@@ -99,7 +98,7 @@ def test_commit_creates_a_tagged_version_and_moves_the_alias(registry, tmp_path)
     assert committed.tags["sluice.trainer_step"] == "4"
     assert committed.tags["sluice.run_id"] == "run-abc"
     assert committed.tags["staleness.mean"] == "0.5"
-    assert registry.latest() == committed
+    assert registry.newest_servable() == committed
     assert registry.get(1) == committed
     assert registry.get(2) is None
 
@@ -122,7 +121,7 @@ def test_incomplete_checkpoint_is_refused_and_nothing_is_registered(registry, tm
     with pytest.raises(CheckpointIncomplete, match=message):
         registry.commit(1, uri)
     assert registry.versions() == []
-    assert registry.latest() is None
+    assert registry.newest_servable() is None
 
 
 def test_a_checkpoint_becomes_committable_only_once_its_manifest_lands(registry, tmp_path):
@@ -159,10 +158,10 @@ def test_retry_after_a_crash_before_the_alias_moved_finishes_the_commit(
         patch.setattr(registry, "_move_alias_forward", crash)
         with pytest.raises(ConnectionError):
             registry.commit(2, uri2)
-    assert registry.latest().policy_version == 1  # version 2 exists, alias did not move
+    assert registry.newest_servable().policy_version == 1  # version 2 exists, alias did not move
 
     retried = registry.commit(2, uri2)
-    assert registry.latest() == retried
+    assert registry.newest_servable() == retried
     assert [v.policy_version for v in registry.versions()] == [1, 2]
 
 
@@ -171,9 +170,9 @@ def test_sync_alias_moves_a_lagging_alias_to_the_newest_version(registry, tmp_pa
     with monkeypatch.context() as patch:
         patch.setattr(registry, "_move_alias_forward", lambda _c: None)
         registry.commit(2, committed_checkpoint(tmp_path, 2))
-    assert registry.latest().policy_version == 1
+    assert registry.newest_servable().policy_version == 1
     assert registry.sync_alias().policy_version == 2
-    assert registry.latest().policy_version == 2
+    assert registry.newest_servable().policy_version == 2
 
 
 def test_alias_never_moves_backwards(registry, tmp_path):
@@ -182,7 +181,7 @@ def test_alias_never_moves_backwards(registry, tmp_path):
         uri = committed_checkpoint(tmp_path, 100 + stale, seed=100 + stale)
         with pytest.raises(PolicyVersionConflict, match="only move forward|already committed"):
             registry.commit(stale, uri)
-    assert registry.latest().policy_version == 3
+    assert registry.newest_servable().policy_version == 3
     assert [v.policy_version for v in registry.versions()] == [3]
 
 
@@ -257,22 +256,25 @@ def test_a_run_from_before_newest_still_resolves_through_sluice_latest(tracking_
     before = CheckpointRegistry(tracking_uri, name, alias="latest")  # the old default
     assert before.mlflow_alias == "sluice-latest"
     before.commit(1, committed_checkpoint(tmp_path, 1))
+    # Runs of that time had no durable alias (every version was durable).
+    before._client.delete_registered_model_alias(name, before.durable_alias)
 
     now = CheckpointRegistry(tracking_uri, name)  # opened under the new default
-    assert now.latest().policy_version == 1
+    assert now.newest_servable().policy_version == 1
+    assert now.newest_durable().policy_version == 1  # read through the servable alias
     assert now.aliased_versions() == {"sluice-latest": 1}
     now.commit(2, committed_checkpoint(tmp_path, 2))
     # The configured alias took over at the move, and the other went with it...
-    assert now.aliased_versions() == {"newest": 2}
-    assert now.latest().policy_version == 2
+    assert now.aliased_versions() == {"newest": 2, "newest-durable": 2}
+    assert now.newest_servable().policy_version == 2
     # ...while a reader with the run's old config still finds the newest version.
-    assert before.latest().policy_version == 2
+    assert before.newest_servable().policy_version == 2
 
 
 def test_a_custom_alias_is_never_read_through_the_default_names(registry, tmp_path):
     registry.commit(1, committed_checkpoint(tmp_path, 1))
     champion = CheckpointRegistry(registry.tracking_uri, registry.model_name, "champion")
-    assert champion.latest() is None
+    assert champion.newest_servable() is None
 
 
 def test_reserved_mlflow_alias_names_are_stored_under_a_prefix(tracking_uri):
@@ -294,7 +296,7 @@ def test_polling_sees_only_durable_versions_in_increasing_order(registry, tmp_pa
 
     def poll() -> None:
         while not done.is_set():
-            latest = poller.latest()
+            latest = poller.newest_servable()
             if latest is not None:
                 try:
                     verify_checkpoint(latest.checkpoint_uri)
@@ -318,7 +320,7 @@ def test_polling_sees_only_durable_versions_in_increasing_order(registry, tmp_pa
                 with pytest.raises(CheckpointIncomplete):
                     registry.commit(version, str(broken))
             committed.append(registry.commit(version, committed_checkpoint(tmp_path, version)))
-            assert registry.latest() == committed[-1]
+            assert registry.newest_servable() == committed[-1]
     finally:
         done.set()
         thread.join()
@@ -328,7 +330,7 @@ def test_polling_sees_only_durable_versions_in_increasing_order(registry, tmp_pa
     assert observed == sorted(observed)
     assert set(observed) <= {c.policy_version for c in committed}
     assert [c.policy_version for c in registry.versions()] == [c.policy_version for c in committed]
-    assert poller.latest() == committed[-1]
+    assert poller.newest_servable() == committed[-1]
 
 
 def test_unreachable_tracking_server_gives_one_clear_error(tmp_path):

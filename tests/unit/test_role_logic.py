@@ -62,13 +62,13 @@ def version(policy_version: int) -> CommittedVersion:
 
 
 class FakeRegistry:
-    """`latest()` is None for the first `empty_polls` calls, then version 0."""
+    """`newest_durable()` is None for the first `empty_polls` calls, then version 0."""
 
     def __init__(self, empty_polls: int = 0) -> None:
         self.empty_polls = empty_polls
         self.polls = 0
 
-    def latest(self) -> CommittedVersion | None:
+    def newest_durable(self) -> CommittedVersion | None:
         self.polls += 1
         return version(0) if self.polls > self.empty_polls else None
 
@@ -328,11 +328,11 @@ def test_a_restarted_trainer_repairs_a_lagging_alias_and_acks_what_that_version_
     with monkeypatch.context() as patch:
         patch.setattr(registry, "_move_alias_forward", lambda _committed: None)
         registry.commit(1, _checkpoint(tmp_path, config, 1, shards))
-    assert registry.latest().policy_version == 0
+    assert registry.newest_servable().policy_version == 0
 
     start = role.start_version()
     assert start.policy_version == 1  # not a retrain into the taken version 1
-    assert registry.latest().policy_version == 1
+    assert registry.newest_servable().policy_version == 1
     reader = StreamReader(config.storage.url, "run", "scored", consumer="trainer")
     assert all(reader.is_acked(name) for name in shards)
 
