@@ -30,9 +30,14 @@ from sluice.tasks.call_pool import CallPool
 from sluice.tasks.prompts import load_policy_tokenizer
 from sluice.tasks.role import Role
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
+from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.versions import fetch_tokenizer
 
 log = logging.getLogger("sluice.reward")
+REWARD_STATES = ("start", "wait_data", "score", "write")
+"""Where the reward role's time goes (tasks/run/state_timer.py): its setup (tokenizer,
+verifier pool), waiting for rollouts (the polls after a sleep and the shard's read
+included), scoring a shard, writing and acking it."""
 
 
 class VerifierPool:
@@ -182,12 +187,14 @@ class RewardRole(Role):
         self.scored_groups = self.scored_samples = 0
         self.reward_sum = self.busy_s = 0.0
         self.started = time.monotonic()
+        self.timer = StateTimer(REWARD_STATES, initial="start")
 
     def progress(self) -> dict[str, Any]:
         return {
             "groups_scored": self.scored_groups,
             "reward_mean": self.reward_sum / max(1, self.scored_samples),
             "busy_ratio": self.busy_s / max(1e-9, time.monotonic() - self.started),
+            **self.timer.report(),
         }
 
     def fetch_tokenizer(self) -> Path:
@@ -229,9 +236,12 @@ class RewardRole(Role):
 
         def score(ref: ShardRef, table: pa.Table) -> None:
             t0 = time.monotonic()
+            self.timer.enter("score")
             scored = score_table(table, pool.score, decode)
+            self.timer.enter("write")
             self.writer.write(scored, shard_key=ref.name)
             self.reader.ack([ref])
+            self.timer.enter(OTHER)
             self.busy_s += time.monotonic() - t0
             self.scored_groups += ref.num_groups
             self.scored_samples += scored.num_rows
@@ -245,14 +255,21 @@ class RewardRole(Role):
             )
 
         def wait() -> None:
+            self.timer.enter("wait_data")  # until the next shard is scored
             self.status.update(state="waiting", **self.progress())
             self.control.sleep(self.poll_interval_s)
 
         self.started = time.monotonic()
+        self.timer.enter(OTHER)
         try:
             self.consume(self.reader, score, wait)
         finally:
             pool.close()
             if sandbox is not None:
                 sandbox.close()
-            self.status.update(force=True, state="stopped", groups_scored=self.scored_groups)
+            self.status.update(
+                force=True,
+                state="stopped",
+                groups_scored=self.scored_groups,
+                **self.timer.report(),
+            )

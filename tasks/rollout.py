@@ -55,6 +55,7 @@ from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.rollout_transfer import FastWeights
 from sluice.tasks.rollout_weights import ServedWeights
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, launched_server_urls
+from sluice.tasks.run.state_timer import OTHER
 from sluice.tasks.run.versions import serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
@@ -148,6 +149,8 @@ class RolloutRole(Role):
             or latest.policy_version <= self.current.policy_version
         ):
             return
+        # The loop's time from here is the reload's, though the fetch overlaps generation.
+        self.stats.timer.enter("reload")
         # Fetch before pausing: generation keeps running while the bytes move.
         try:
             staged = await self.weights.stage(latest)
@@ -343,19 +346,22 @@ class RolloutRole(Role):
         max_in_flight = max(1, (2 * cfg.rollout.max_batch_size) // cfg.rollout.group_size)
         in_flight: dict[asyncio.Task[list[TrajectoryRow]], tuple[int, int]] = {}
         last_poll = last_profile = 0.0
-        idle_since: float | None = None
         while not self.control.should_stop():
+            self.stats.timer.enter(OTHER)  # polls and bookkeeping, until a state is named
             now = time.monotonic()
             if now - last_poll >= cfg.rollout.poll_interval_s:
                 last_poll = now
+                self.stats.timer.enter("poll")  # `reload` once a newer version is found
                 try:
                     await self.maybe_update_weights(client)
                 except InferenceServerUnreachableError as exc:
                     await self.recover_servers(client, exc)
+                self.stats.timer.enter("poll")
                 if refill is not None:
                     released = await asyncio.to_thread(refill.poll)
                     gate.release(released)
                     self.stats.groups_refilled += released
+                self.stats.timer.enter(OTHER)
             if now - last_profile >= PROFILE_INTERVAL_S:
                 last_profile = now
                 await self.read_profiles(client)
@@ -371,16 +377,15 @@ class RolloutRole(Role):
                 task = asyncio.create_task(self.generate_group(client, index))
                 in_flight[task] = (index, ticket)
             if not in_flight:
-                idle_since = idle_since or time.monotonic()
+                self.stats.timer.enter("idle")
                 await asyncio.sleep(0.05)
                 self._report(gate, version)
                 continue
-            if idle_since is not None:
-                self.stats.idle_s += time.monotonic() - idle_since
-                idle_since = None
+            self.stats.timer.enter("generate")
             finished, _ = await asyncio.wait(
                 in_flight, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
             )
+            self.stats.timer.enter(OTHER)
             lost: InferenceServerUnreachableError | None = None
             for task in finished:
                 index, ticket = in_flight.pop(task)
@@ -396,7 +401,8 @@ class RolloutRole(Role):
                     # never trains it more than eta versions late.
                     bisect.insort(reissue, index)
                     continue
-                await asyncio.to_thread(self.write_group, index, rows)
+                with self.stats.timer.state("write"):
+                    await asyncio.to_thread(self.write_group, index, rows)
                 gate.finish(ticket)
             if lost is not None:
                 await self.recover_servers(client, lost)

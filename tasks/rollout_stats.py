@@ -20,10 +20,11 @@ from sluice.engines.rl.trajectory import (
 )
 from sluice.tasks.run.state_timer import StateTimer
 
-ROLLOUT_STATES = ("start", "generate", "reload", "idle", "write")
+ROLLOUT_STATES = ("start", "generate", "poll", "reload", "idle", "write")
 """Where the rollout role's loop spends its time (tasks/run/state_timer.py): its setup
-(first version, weights, servers), waiting on in-flight groups, fetching and loading a
-newer version, nothing in flight and the staleness gate closed, writing finished groups."""
+(first version, weights, servers), waiting on in-flight groups, asking the registry for
+a newer version (and the scored stream for refills), fetching and loading a newer
+version, nothing in flight and the staleness gate closed, writing finished groups."""
 
 
 @dataclass
@@ -32,7 +33,6 @@ class RolloutStats:
     groups_written: int = 0
     samples_written: int = 0
     tokens_generated: int = 0
-    idle_s: float = 0.0
     weight_updates: int = 0
     update_time_s: float = 0.0
     commit_to_served_s: list[float] = field(default_factory=list)
@@ -58,7 +58,7 @@ class RolloutStats:
     """The servers' measured step costs, summed (sluice.engines.inference.profile)."""
     server_peak_rss_mb: float | None = None
     """The largest peak resident memory an inference server reported, MiB (None: none did)."""
-    timer: StateTimer = field(default_factory=lambda: StateTimer(ROLLOUT_STATES))
+    timer: StateTimer = field(default_factory=lambda: StateTimer(ROLLOUT_STATES, initial="start"))
     """The role loop's time split into states; reported as `time/<state>_s` and `_frac`."""
 
     def record_group(self, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -87,7 +87,8 @@ class RolloutStats:
             "samples_written": self.samples_written,
             "tokens_generated": self.tokens_generated,
             "tokens_per_s": self.tokens_generated / elapsed,
-            "idle_ratio": self.idle_s / elapsed,
+            # The timer's `idle` share: an idle span still open counts too.
+            "idle_ratio": self.timer.share("idle"),
             "weight_updates": self.weight_updates,
             "update_time_s": self.update_time_s,
             "commit_to_served_s_median": (

@@ -48,6 +48,7 @@ from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, write_json
+from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import (
@@ -73,6 +74,11 @@ LOST_CHECK_INTERVAL_S = 5.0
 """How often a trainer waiting on missing groups checks whether they were quarantined."""
 BATCH_POLL_S = 0.05
 """How often the trainer looks for the rest of its batch while it waits."""
+TRAIN_STATES = ("start", "wait_data", "proximal", "train", "publish")
+"""Where the train role's time goes (tasks/run/state_timer.py): its setup, waiting for
+its batch (polling, reading and filing shards included), the π_prox pass the step
+measures, the rest of the step (batch preparation included), and the publish on the
+critical path (the wait for the previous commit and the host copy)."""
 
 
 def lost_groups(rollouts: StreamReader, scored: StreamReader, indices: list[int]) -> list[int]:
@@ -119,6 +125,7 @@ class TrainRole(TrainingRole):
         self.last_write_s: float | None = None
         """Seconds the newest deferred checkpoint write took (off the critical path)."""
         self.last_publish_parts: dict[str, float] = {}
+        self.timer = StateTimer(TRAIN_STATES, initial="start")
         """Of the newest publish on the critical path: the wait for the version before
         (``train/publish_wait_s``) and the copy to host memory (``train/host_copy_s``)."""
 
@@ -372,10 +379,12 @@ class TrainRole(TrainingRole):
         log.info("training from policy version %d to %d (B=%d)", version, total, B)
         self.status.update(force=True, state="running", step=version)
         while version < total:
+            self.timer.enter("wait_data")
             try:
                 table, refs, waited, lost = self.next_batch(version)
             except StopRequested:
                 break
+            self.timer.enter("train")
             waited_total += waited
             if table is None:  # every group of this batch was lost: the version moves on
                 samples: list[TrainingSample] = []
@@ -405,6 +414,9 @@ class TrainRole(TrainingRole):
                 metrics = (
                     trainer.train_step(samples, guard) if guard else trainer.train_step(samples)
                 )
+            # The step measured its π_prox pass: that part of its time is `proximal`.
+            self.timer.enter(OTHER)
+            self.timer.move("train", "proximal", metrics.get("train/proximal_time_s", 0.0))
             firings, verdict = self.watch.settle(metrics, version + 1)
             if verdict is not None and verdict.action == "stop":
                 stopped = {**metrics, **stats, **self.watch.step_metrics(firings)}
@@ -429,6 +441,9 @@ class TrainRole(TrainingRole):
             for key in ("tokens_per_s", "idle_ratio", "partial_rollout_ratio", "weight_updates"):
                 if key in rollout_status:
                     metrics[f"rollout/{key}"] = rollout_status[key]
+            for key, value in rollout_status.items():  # its time split, beside the trainer's
+                if key.startswith("time/") and key.endswith("_frac"):
+                    metrics[f"rollout/{key}"] = value
             if version % cfg.trainer.publish_every == 0 or version == total:
                 tags = {
                     "staleness_mean": f"{stats['staleness/mean']:.3f}",
@@ -437,7 +452,9 @@ class TrainRole(TrainingRole):
                     **self.watch.take_tags(),
                 }
                 stall = time.monotonic()
+                self.timer.enter("publish")
                 self.publish(trainer, version, unpublished, tags)
+                self.timer.enter(OTHER)
                 metrics["train/publish_stall_s"] = time.monotonic() - stall
                 metrics.update(self.last_publish_parts)
                 if self.last_offer_s is not None:
@@ -452,6 +469,12 @@ class TrainRole(TrainingRole):
                     stats["staleness/mean"],
                     metrics.get("loss/policy_loss", float("nan")),
                 )
+            # This step's timeline (its states sum to `time/step_s`) for the metrics, the
+            # role's since it started for its status; the background thread's work is
+            # outside both.
+            timeline, cumulative = self.timer.lap_metrics(), self.timer.report()
+            metrics.update(timeline)
+            metrics.update(self.background.report())
             self.background.submit(
                 log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
@@ -464,9 +487,15 @@ class TrainRole(TrainingRole):
                 idle_ratio=metrics["train/idle_ratio"],
                 wall_time_s=elapsed,
                 **self.watch.status(),
+                **cumulative,
+                step_timeline=timeline,
+                **self.background.report(),
             )
+        self.timer.enter("publish")  # the last commit, on the way out
         self.finish_publish()
+        self.timer.enter(OTHER)
         trainer.close()
         self.background.close()
+        self.status.update(**self.timer.report(), **self.background.report())
         self.finish(version)
         self.stop_sender()  # after the done marker: a rollout that finds it gone sees why

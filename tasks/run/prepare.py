@@ -42,6 +42,7 @@ from sluice.tasks.prompts import (
     reference_examples,
 )
 from sluice.tasks.run.paths import run_paths, run_registry
+from sluice.tasks.run.status import flow_reporter
 from sluice.tasks.tool_runner import episode_spec, plain_tool
 
 log = logging.getLogger("sluice.prepare")
@@ -205,4 +206,14 @@ def ensure_version_zero(
 def prepare_policy(config: dict[str, Any], run_id: str, mlflow_run_id: str) -> dict[str, Any]:
     """Build/warm-start the initial policy if needed and commit it as version 0."""
     logger = get_run_logger()
-    return ensure_version_zero(RunConfig.model_validate(config), run_id, mlflow_run_id, logger.info)
+    run_config = RunConfig.model_validate(config)
+    # A supervised pass or a warm start may take many minutes before any role starts:
+    # each progress line also goes to the flow's status document, for `sluice status`.
+    status = flow_reporter(run_config, run_paths(run_config, run_id))
+    status.update(state="preparing", activity="preparing policy version 0")
+
+    def say(line: str) -> None:
+        logger.info(line)
+        status.update(state="preparing", activity=line)
+
+    return ensure_version_zero(run_config, run_id, mlflow_run_id, say)

@@ -56,6 +56,7 @@ class StateTimer:
     def __init__(
         self,
         states: Sequence[str] = (),
+        initial: str = OTHER,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
         cores: int | None = None,
@@ -67,7 +68,8 @@ class StateTimer:
         self.cores = cores or usable_cores()
         self.started = clock()
         self._cpu_started = self._lap_cpu = cpu_clock()
-        self.current = OTHER
+        self.current = initial
+        """The state the role is in now (`initial` at the start: a role's setup)."""
         self._since = self.started
         self._named: dict[str, float] = {}
         self._lap_at = self.started
@@ -144,6 +146,11 @@ class StateTimer:
             self._since = now
         self._lap_at, self._lap_named = now, {}
         return seconds, wall
+
+    def share(self, state: str) -> float:
+        """`state`'s share of the wall since the start (0 before any time passed)."""
+        seconds, wall = self.totals()
+        return seconds.get(state, 0.0) / wall if wall > 0 else 0.0
 
     def cpu_s(self) -> float:
         """Process CPU seconds (every thread) since the timer started."""

@@ -197,3 +197,31 @@ def test_the_file_keeps_what_mlflow_keeps() -> None:
     assert numbers == {"a": 1.0, "e": 2.5}
     with pytest.raises(ValueError, match="'f'"):
         loggable({"f": "text"})
+
+
+def test_every_steps_time_states_add_up_to_the_step_and_the_proximal_pass_is_its_own(
+    run: Run,
+) -> None:
+    for line in run.lines:
+        states = {
+            k: v
+            for k, v in line.items()
+            if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"
+        }
+        assert set(states) == {
+            f"time/{s}_s" for s in ("start", "wait_data", "proximal", "train", "publish", "other")
+        }
+        assert sum(states.values()) == pytest.approx(line["time/step_s"], abs=1e-6)
+        assert min(states.values()) >= 0.0
+        # The π_prox pass the step measured is `proximal`, taken out of `train`.
+        assert line["time/proximal_s"] == pytest.approx(line["train/proximal_time_s"])
+        assert line["time/train_s"] + line["time/proximal_s"] >= line["train/step_time_s"]
+        assert line["time/cpu_over_cores"] == 0.0
+        assert line["background/busy_s"] >= 0.0 and line["background/cpu_s"] >= 0.0
+    # Each run's first step holds its setup; its later steps none.
+    assert [line["time/start_s"] > 0 for line in run.lines] == [True, False, True]
+    # Every shard was written before training began: the trainer does not wait for data
+    # (it reads and files the shards it has), and its wall goes to named states.
+    steps = sum(line["time/step_s"] for line in run.lines)
+    assert sum(line["time/wait_data_s"] for line in run.lines) < 0.25 * steps
+    assert sum(line["time/other_s"] for line in run.lines) <= 0.05 * steps

@@ -232,3 +232,93 @@ def test_a_steps_metrics_add_up_to_the_step_and_give_its_cpu_in_cores():
         1.0,
         0.0,
     )
+
+
+def test_a_timer_may_start_in_a_named_state():
+    clock = Clock()
+    timer = timer_with(clock, states=("start", "train"), initial="start")
+    clock.advance(2.0)  # the role's setup
+    timer.enter("train")
+    clock.advance(1.0)
+    assert timer.totals() == ({"start": 2.0, "train": 1.0, OTHER: 0.0}, 3.0)
+
+
+def run_pipeline(generate_s: float, train_s: float, steps: int = 8) -> tuple[dict, dict]:
+    """A rollout thread and a trainer thread under the real staleness gate (B = 2, η = 1),
+    each timed by its own StateTimer as the roles are: the rollout `generate`s a group
+    in `generate_s` or sits `idle` while the gate is closed; the trainer waits for its
+    batch (`wait_data`), then `train`s for `train_s` and publishes the next version at
+    once. Returns each side's time shares at the end (their `time/<state>_frac`)."""
+    from sluice.engines.rl.staleness import StalenessGate
+
+    B = 2
+    gate = StalenessGate(B, max_staleness=1)
+    done_groups: list[int] = []
+    version = [0]
+    lock = threading.Condition()
+    stop = threading.Event()
+    rollout = StateTimer(("generate", "idle"))
+    trainer = StateTimer(("wait_data", "train"))
+
+    def generate() -> None:
+        n = 0
+        while not stop.is_set():
+            ticket = gate.try_start(version[0])
+            if ticket is None:
+                rollout.enter("idle")
+                time.sleep(0.001)
+                continue
+            rollout.enter("generate")
+            time.sleep(generate_s)
+            with lock:
+                done_groups.append(n)
+                lock.notify_all()
+            gate.finish(ticket)
+            n += 1
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        for step in range(steps):
+            trainer.enter("wait_data")
+            with lock:
+                lock.wait_for(lambda step=step: len(done_groups) >= (step + 1) * B, timeout=30)
+            trainer.enter("train")
+            time.sleep(train_s)
+            version[0] = step + 1
+    finally:
+        stop.set()
+        worker.join()
+    shares = []
+    for timer in (rollout, trainer):
+        report = timer.report()
+        fracs = {k: v for k, v in report.items() if k.endswith("_frac")}
+        assert sum(fracs.values()) == pytest.approx(1.0)
+        shares.append(fracs)
+    return shares[0], shares[1]
+
+
+def test_a_training_bound_pipeline_never_reports_both_sides_idle():
+    """verl #6693: its rollouter's idle time was not accumulated, so a run bound by
+    training could show the rollouter and the trainer idle together. Timed by state, a
+    training-bound pipeline shows the trainer busy and the rollout held by the gate."""
+    rollout, trainer = run_pipeline(generate_s=0.002, train_s=0.04)
+    assert trainer["time/train_frac"] > 0.6 and trainer["time/wait_data_frac"] < 0.3
+    assert rollout["time/idle_frac"] > 0.6
+    assert not (trainer["time/wait_data_frac"] > 0.5 and rollout["time/idle_frac"] > 0.5)
+
+
+def test_a_generation_bound_pipeline_shows_the_trainer_waiting_and_the_rollout_busy():
+    rollout, trainer = run_pipeline(generate_s=0.02, train_s=0.002)
+    assert trainer["time/wait_data_frac"] > 0.6
+    assert rollout["time/generate_frac"] > 0.6 and rollout["time/idle_frac"] < 0.3
+
+
+def test_a_states_share_counts_a_span_still_open():
+    clock = Clock()
+    timer = timer_with(clock, states=("idle",))
+    assert timer.share("idle") == 0.0  # no time yet
+    clock.advance(1.0)
+    timer.enter("idle")
+    clock.advance(3.0)  # idle still: a ratio that waited for the span to end would say 0
+    assert timer.share("idle") == 0.75
