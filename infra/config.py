@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sluice.engines.inference.types import PauseMode
+from sluice.infra.checkpoint_config import CheckpointConfig
 from sluice.infra.cluster_config import ClusterConfig, cluster_requirements
 from sluice.infra.config_overrides import (
     ConfigError,
@@ -310,6 +311,8 @@ class RunConfig(BaseModel):
     """Held-out evaluation."""
     storage: StorageConfig = StorageConfig()
     """Object storage for streams and checkpoints."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """When served policy versions become durable (trainer state and all)."""
     tracking: TrackingConfig = TrackingConfig()
     """MLflow tracking and registry."""
     cluster: ClusterConfig = ClusterConfig()

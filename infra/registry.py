@@ -6,24 +6,19 @@ compares the pair (``CommittedVersion.identity``), so a trainer restarted from s
 after versions up to 124 were served names its next version (r+1, 121), never a second
 (r, 121).
 
-The trainer publishes a version by calling ``CheckpointRegistry.commit``, which verifies
-the checkpoint's manifest, creates an MLflow model version whose source is the
-checkpoint URI, tagged with r, k and ``sluice.durable``, and moves the *servable* alias
-(the configured one, ``newest`` by default) onto it. The rollout side polls
-``newest_servable()`` (one indexed alias lookup) and reloads weights when it moves: that
-poll is what gates reloads under the staleness bound. A version is *durable* once its
-weights, trainer state and consumed list are on storage, hashed and committed; then the
-second alias, ``<alias>-durable``, moves onto it (``mark_durable``, or ``commit(...,
-durable=True)`` in one call). Whatever fetches bytes from storage (a cold server,
-evaluation, promotion, reports, retention, a user's ``models:/NAME@newest-durable``)
-reads ``newest_durable()``.
-
-``sluice.durable`` says which of the two a version is (``sluice.infra.policy_version``).
+``commit`` registers a version: an MLflow model version whose source is its checkpoint
+URI (where its durable checkpoint is or will be), tagged with r, k and
+``sluice.durable``, and moves the *servable* alias (the configured one, ``newest``) onto
+it. The rollout polls ``newest_servable()`` (one indexed lookup) and reloads when it
+moves: the gate of reloads under the staleness bound. Once the version's weights,
+trainer state and consumed list are committed to storage the durable alias,
+``<alias>-durable``, moves onto it (``mark_durable``, or ``commit(durable=True)``).
+Whatever fetches bytes from storage reads ``newest_durable()``.
 
 Guarantees:
 
-- No model version exists for a checkpoint whose manifest is missing or whose files are
-  missing or short: verification runs before anything is written to MLflow.
+- No durable version exists for a checkpoint whose manifest is missing or whose files
+  are missing or short: verification runs before anything is written to MLflow.
 - One (r, k) maps to at most one model version. ``commit`` is idempotent, so a trainer
   that crashed anywhere inside it simply calls it again.
 - The aliases never move backwards: committing a version at or below the one the
@@ -35,21 +30,18 @@ Guarantees:
 
 Departures and choices:
 
-- The run's alias defaults to ``newest``, a name MLflow accepts as typed
-  (``models:/<run model>@newest``). MLflow reserves ``latest`` and ``v<digits>``; such a
-  configured alias is stored as ``sluice-<alias>`` (``mlflow_alias`` says which). Runs
-  written while the default was ``latest`` carry ``sluice-latest``. The two defaults
-  stand in for each other: where the configured one is absent, ``newest_servable()`` reads the
-  other, and the next move of the alias sets the configured one and removes the other.
-- Evaluation results are tags ``sluice.eval.reward`` and ``sluice.eval.pass_at_<k>``
-  (``eval_tag``); the ``eval.*`` tags of versions scored before read as the same names.
-- ``commit`` checks presence and sizes against the manifest but, by default, does not
-  re-read every byte to re-hash it: that would make each commit of a multi-GB checkpoint
-  on S3 download it once more. Truncation (the real "not yet durable" failure) is caught
-  by the size check; corruption is caught by ``fetch_checkpoint``, which hashes while it
-  downloads. ``verify_hashes=True`` restores the full check.
-- One writer per registered model is assumed (the single trainer of a run). Two trainers
-  committing concurrently are not serialised beyond the monotonic-alias check.
+- The run's alias defaults to ``newest`` (``models:/<run model>@newest``). MLflow
+  reserves ``latest`` and ``v<digits>``: such a configured alias is stored as
+  ``sluice-<alias>`` (``mlflow_alias``). Runs written while the default was ``latest``
+  carry ``sluice-latest``; where the configured default is absent the other is read,
+  and the next move sets the configured one and removes the other.
+- Evaluation results are tags ``sluice.eval.reward`` and ``sluice.eval.pass_at_<k>``.
+- ``commit`` checks presence and sizes against the manifest, not every byte's hash
+  (that would download a multi-GB checkpoint on S3 once more): truncation is caught
+  here, corruption by ``fetch_checkpoint``, which hashes while it downloads.
+  ``verify_hashes=True`` restores the full check.
+- One writer per registered model is assumed (the run's trainer, under its lease);
+  two writers are not serialised beyond the forward-only alias.
 """
 
 from __future__ import annotations
@@ -117,11 +109,9 @@ class CheckpointRegistry:
     ) -> None:
         """Connect to MLflow at `tracking_uri` and make sure `model_name` is registered.
 
-        `alias` names the pointer to the newest servable version (see module notes on
-        MLflow's reserved names); the newest durable one is `alias` + ``-durable``.
-        `verify_hashes` makes `commit` re-hash every file. `storage_options` are the
-        fsspec options used to read checkpoint manifests. Raises TrackingUnavailable
-        naming the URI when MLflow cannot be reached.
+        `alias`: the newest servable version's (module notes); `verify_hashes`: `commit`
+        re-hashes every file; `storage_options`: fsspec options to read manifests.
+        Raises TrackingUnavailable naming the URI when MLflow cannot be reached.
         """
         if not isinstance(model_name, str) or not model_name or "'" in model_name:
             raise ValueError(f"registered model name must be non-empty, no quotes: {model_name!r}")
@@ -172,8 +162,7 @@ class CheckpointRegistry:
                     raise
 
     def _find(self, policy_version: int, incarnation: int | None = None) -> list[CommittedVersion]:
-        """Every version of step `policy_version` (of `incarnation` only, when given),
-        oldest incarnation first."""
+        """Versions of step `policy_version` (of `incarnation`, if given), oldest r first."""
         query = f"name = '{self.model_name}' and tags.`{TAG_POLICY_VERSION}` = '{policy_version}'"
         with self._mlflow(f"looking up policy version {policy_version}"):
             found = list(self._client.search_model_versions(query, max_results=_PAGE_SIZE))
@@ -231,6 +220,7 @@ class CheckpointRegistry:
         trainer_step: int | None = None,
         incarnation: int = 0,
         durable: bool = True,
+        check_files: bool | None = None,
     ) -> CommittedVersion:
         """Register the checkpoint at `checkpoint_uri` as version (`incarnation`,
         `policy_version`) and make it the newest servable one (and, when `durable`, the
@@ -244,6 +234,10 @@ class CheckpointRegistry:
         create the model version (source = checkpoint URI, tags sluice.policy_version /
         incarnation / durable / trainer_step / run_id / checkpoint_digest plus `tags`);
         move the aliases. `trainer_step` defaults to `policy_version`.
+
+        A servable version (`durable` False) may have no files on storage yet (its
+        weights are in the trainer's sender): its source is where its durable checkpoint
+        will land, and nothing is verified unless `check_files` (default: `durable`).
         """
         policy_version = check_policy_version(policy_version)
         incarnation = check_incarnation(incarnation)
@@ -252,15 +246,17 @@ class CheckpointRegistry:
         if clashing:
             raise ValueError(f"tags {clashing} are set by the registry itself; rename them")
         source = canonical_url(checkpoint_uri, self.storage_options)
-        manifest = verify_checkpoint(
-            checkpoint_uri, self.storage_options, check_hashes=self.verify_hashes
+        manifest = (
+            verify_checkpoint(checkpoint_uri, self.storage_options, check_hashes=self.verify_hashes)
+            if (durable if check_files is None else check_files)
+            else None
         )
 
         existing = self._find(policy_version, incarnation)
         if existing:
             committed = existing[0]
             # Same weights (digest) is a retry, whatever URL they were saved under.
-            if committed.checkpoint_digest is not None:
+            if committed.checkpoint_digest is not None and manifest is not None:
                 differs = committed.checkpoint_digest != manifest.digest
             else:
                 differs = committed.checkpoint_uri != source
@@ -297,7 +293,7 @@ class CheckpointRegistry:
             TAG_DURABLE: DURABLE if durable else PENDING,
             TAG_TRAINER_STEP: str(policy_version if trainer_step is None else trainer_step),
             TAG_RUN_ID: run_id or "",
-            TAG_CHECKPOINT_DIGEST: manifest.digest,
+            TAG_CHECKPOINT_DIGEST: manifest.digest if manifest is not None else "",
             **extra,
         }
         with self._mlflow(f"creating policy version {policy_version}"):
@@ -329,6 +325,20 @@ class CheckpointRegistry:
                 "it cannot become durable"
             )
         if not committed.durable:
+            # Its checkpoint must be complete now; a version registered before its files
+            # were on storage gets its digest here.
+            manifest = verify_checkpoint(
+                committed.checkpoint_uri, self.storage_options, check_hashes=self.verify_hashes
+            )
+            if committed.checkpoint_digest is None:
+                self._tag(committed, TAG_CHECKPOINT_DIGEST, manifest.digest)
+                committed = committed.model_copy(update={"checkpoint_digest": manifest.digest})
+            elif committed.checkpoint_digest != manifest.digest:
+                raise PolicyVersionConflict(
+                    f"policy version {committed.name} of {self.model_name!r} was served as "
+                    f"digest {committed.checkpoint_digest[:12]}, but "
+                    f"{committed.checkpoint_uri} holds {manifest.digest[:12]}"
+                )
             self._tag(committed, TAG_DURABLE, DURABLE)
             committed = committed.model_copy(
                 update={"tags": {**committed.tags, TAG_DURABLE: DURABLE}}
@@ -379,19 +389,14 @@ class CheckpointRegistry:
         self._tag(self._resolve(policy_version, incarnation), key, str(value))
 
     def mark_deleted(self, policy_version: int, *, incarnation: int | None = None) -> None:
-        """Tag registered `policy_version` as deleted (``sluice.deleted``), before its
-        files go.
-
-        Readers skip such versions; the aliases never point at one (retention keeps the
-        newest). Idempotent.
-        """
+        """Tag `policy_version` deleted (``sluice.deleted``) before its files go: readers
+        skip it; the aliases never point at one (retention keeps the newest). Idempotent."""
         committed = self._resolve(check_policy_version(policy_version), incarnation)
         self._tag(committed, TAG_DELETED, "true")
 
     def aliased_versions(self, committed: list[CommittedVersion] | None = None) -> dict[str, int]:
-        """Every alias of the registered model and the policy version it points at
-        (Sluice's own aliases included; a version registered by hand is left out).
-        `committed` saves listing the versions again when the caller just did."""
+        """Every alias (Sluice's own too) and the policy version it points at; `committed`
+        saves listing the versions again when the caller just did."""
         with self._mlflow("reading aliases"):
             aliases = dict(self._client.get_registered_model(self.model_name).aliases or {})
         listed = self.versions() if committed is None else committed
@@ -403,13 +408,9 @@ class CheckpointRegistry:
         }
 
     def sync_alias(self) -> CommittedVersion | None:
-        """Repair the aliases after a crash; return the newest durable version.
-
-        A crash between creating a version and moving an alias leaves that alias one
-        version behind: the servable alias moves to the newest version that is not lost,
-        the durable alias to the newest durable one. The training roles call this when
-        they start (`TrainingRole.start_version`), before `reset_lineage`.
-        """
+        """Repair the aliases a crash left behind (between creating a version and moving
+        an alias): the servable one to the newest version not lost, the durable one to
+        the newest durable version, which is returned. A starting trainer calls it."""
         committed = self.versions()
         alive = [c for c in committed if not c.lost]
         if not alive:
@@ -461,8 +462,8 @@ class CheckpointRegistry:
         return as_committed(version)
 
     def _aliased(self) -> tuple[CommittedVersion | None, str | None]:
-        """The version the servable alias points at and the alias it was read from (the
-        configured one, else the other default name), or (None, None)."""
+        """The servable alias's version and the alias read (the configured one, else the
+        other default name), or (None, None)."""
         for alias in self._alias_reads:
             found = self._read_alias(alias)
             if found is not None:

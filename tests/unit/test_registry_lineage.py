@@ -12,10 +12,16 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from sluice.infra.checkpoints import (  # noqa: E402
+    CheckpointIncomplete,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from sluice.infra.policy_version import TAG_DURABLE, TAG_INCARNATION  # noqa: E402
 from sluice.infra.registry import CheckpointRegistry, PolicyVersionConflict  # noqa: E402
 
 from .test_registry import committed_checkpoint as _checkpoint  # noqa: E402
+from .test_registry import make_hf_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,3 +173,18 @@ def test_every_reader_of_the_newest_version_is_listed_with_the_alias_it_means():
     assert servable == SERVABLE_READERS
     assert len(durable) >= 10, sorted(durable)
     assert not servable & durable, "a function reads both: say which it means"
+
+
+def test_a_version_served_before_its_files_exist_gets_its_digest_once_durable(registry, tmp_path):
+    url = str(tmp_path / "storage" / "v000001")  # where its durable checkpoint will land
+    pending = registry.commit(1, url, incarnation=1, durable=False)
+    assert pending.checkpoint_digest is None and registry.newest_servable().identity == (1, 1)
+    with pytest.raises(CheckpointIncomplete):  # nothing on storage yet
+        registry.mark_durable(1, incarnation=1)
+    assert registry.newest_durable() is None
+
+    save_checkpoint(make_hf_dir(tmp_path / "written", 3), url)
+    made = registry.mark_durable(1, incarnation=1)
+
+    assert made.checkpoint_digest == verify_checkpoint(url).digest
+    assert registry.newest_durable().checkpoint_digest == made.checkpoint_digest
