@@ -32,6 +32,7 @@ from sluice.infra.config import RunConfig
 from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.run.metrics_file import log_step_metrics
+from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import fetch_reference, save_version, save_version_later
 from sluice.tasks.training import (
@@ -42,6 +43,11 @@ from sluice.tasks.training import (
     staleness_counts,
 )
 
+SYNC_STATES = ("start", "generate", "score", "proximal", "train", "publish", "reload")
+"""Where the colocated role's time goes (tasks/run/state_timer.py): setup, generating a
+batch to its longest response, scoring it, the π_prox pass the step measures, the rest
+of the step, the publish on the critical path (the wait for the previous write and
+commit, the save or host copy), and loading the new weights into the engine."""
 SAMPLED_LENGTHS = 4096
 """How many of the newest (prompt, response) lengths the status keeps: the planner's workload."""
 
@@ -92,6 +98,7 @@ class SyncRole(TrainingRole):
 
     def run(self) -> None:
         cfg = self.config
+        timer = StateTimer(SYNC_STATES, initial="start")
         latest = self.start_version()
         local_root = self.local_dir("sync")
         model_dir = self.training_dir(latest, local_root)
@@ -128,12 +135,14 @@ class SyncRole(TrainingRole):
         # draws its workload from (the async roles' come from the rollouts stream).
         lengths: deque[tuple[int, int]] = deque(maxlen=SAMPLED_LENGTHS)
         while version < cfg.trainer.total_steps and not self.control.should_stop():
+            timer.enter("generate")
             t0 = time.monotonic()
             prompts, requests = step_requests(cfg, source, version)
             outputs = engine.generate(requests)  # returns when the longest response is done
             step_generate_s = time.monotonic() - t0
             generate_s += step_generate_s
             lengths.extend((len(o.prompt_token_ids), len(o.output_token_ids)) for o in outputs)
+            timer.enter("score")
             rewards = [
                 float(
                     verifier(
@@ -143,6 +152,7 @@ class SyncRole(TrainingRole):
                 )
                 for (_, row, _), out in zip(prompts, outputs, strict=True)
             ]
+            timer.enter("train")
             table = batch_table(batch_rows(prompts, outputs, rewards, version))
             samples, stats = samples_from_table(
                 table, advantages, policy_version=version, shape_rewards=shape_rewards
@@ -150,7 +160,10 @@ class SyncRole(TrainingRole):
             stats.update(staleness_stats(table, version))
             stats.update(staleness_counts(table, version, cfg.staleness.max_staleness))
             metrics = trainer.train_step(samples) if samples else {}
+            timer.enter(OTHER)
+            timer.move("train", "proximal", metrics.get("train/proximal_time_s", 0.0))
             version += 1
+            timer.enter("publish")
             # The previous step's write, upload and commit had this step's generation and
             # training to run in; they are done before this step's start.
             background.wait()
@@ -160,15 +173,18 @@ class SyncRole(TrainingRole):
             )
             if deferred is None:
                 saved = save_version(trainer, local, version)
+                timer.enter("reload")
                 engine.update_weights_from_disk(saved.policy, version)
             else:
                 # The engine is in this process: it takes the weights themselves (one
                 # copy, in its dtype), and the checkpoint is written, like the upload and
                 # the commit, while the next step generates and trains.
                 saved, write, _ = deferred
+                timer.enter("reload")
                 named = unique_named_tensors(trainer.model.state_dict())
                 engine.update_weights_from_tensors(named, version, source="the trainer")
                 background.submit(write)
+            timer.enter(OTHER)
             for old in local_root.glob("v*"):
                 if old != saved.policy.parent:
                     shutil.rmtree(old, ignore_errors=True)
@@ -194,6 +210,10 @@ class SyncRole(TrainingRole):
                     **self.last_commit_parts,  # train/commit_s and its parts
                 }
             )
+            # The step's timeline (its states sum to `time/step_s`); the background
+            # thread's write, upload and commit are outside it.
+            metrics.update(timer.lap_metrics())
+            metrics.update(background.report())
             background.submit(
                 log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
@@ -206,6 +226,8 @@ class SyncRole(TrainingRole):
                 wall_time_s=elapsed,
                 engine_profile=engine.profile.as_dict(),
                 sampled_lengths=list(lengths),
+                **timer.report(),
+                **background.report(),
             )
         background.close()
         trainer.close()

@@ -1,6 +1,7 @@
 """`sluice plan --from-run` on real runs: a sync run and an async run of the tiny model
 measure their own costs, and the planner reads them back and recommends a layout."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from sluice.flows.cli import main
 from sluice.flows.planner.measurements import measure_run
 from sluice.infra.config import load_config
 from sluice.infra.tracking import get_client
+from sluice.tasks.run.metrics_file import metrics_file
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -36,6 +38,14 @@ def test_plan_from_a_sync_and_an_async_run_recommends_a_split_and_logs_its_plot(
         assert len(run.train_steps) == run.steps > 0
     assert asynchronous.weight_updates > 0 and asynchronous.rollout_idle_ratio is not None
     assert sync.generate_s_per_step is not None and sync.generate_s_per_step > 0
+    # Each colocated step's time is split into states that add up to the step
+    # (tasks/run/state_timer.py): generating, scoring and training are all in it.
+    for line in metrics_file(config, "measured-sync").read_text().splitlines():
+        step = json.loads(line)
+        parts = {k: v for k, v in step.items() if k.startswith("time/") and k.endswith("_s")}
+        total = parts.pop("time/step_s")
+        assert sum(parts.values()) == pytest.approx(total, abs=1e-6)
+        assert parts["time/generate_s"] > 0 and parts["time/train_s"] > 0
 
     capsys.readouterr()
     code = main(
