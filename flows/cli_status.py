@@ -169,14 +169,15 @@ def mean_step_timeline(path: Path, steps: int = TIMELINE_STEPS) -> str | None:
     newest = [timed[step] for step in sorted(timed)[-steps:]]
     if not newest:
         return None
-    states = sorted(
-        {k for r in newest for k in r if k.startswith("time/") and k.endswith("_s")}
-        - {"time/step_s"},
-        key=lambda k: (k == f"time/{OTHER}_s", k),
-    )
 
     def mean(key: str) -> float:
         return sum(float(r.get(key, 0.0)) for r in newest) / len(newest)
+
+    states = sorted(  # largest first, `other` last, as in each role's split
+        {k for r in newest for k in r if k.startswith("time/") and k.endswith("_s")}
+        - {"time/step_s"},
+        key=lambda k: (k == f"time/{OTHER}_s", -mean(k), k),
+    )
 
     parts = [
         f"{key.removeprefix('time/').removesuffix('_s')} {mean(key):.2f}"
