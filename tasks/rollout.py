@@ -5,7 +5,10 @@ Loop (docs/design.md §1–2):
   i = newest committed policy version, n counted over the whole run);
 - each group is G samples of one prompt, sent to the inference servers through the
   SGLang-compatible client; a finished group becomes one shard of the `rollouts`
-  stream, keyed by its group index so a retried write never duplicates it;
+  stream, keyed by its group index so a retried write never duplicates it; group n
+  samples with the synchronous loop's seeds for group n, and at η = 0 the groups of a
+  batch go out as one request (one per server), so `mode: on_policy` does the same
+  work as `sluice train --sync`;
 - a poller watches the registry alias; a newer committed version is fetched to local
   disk *before* generation is paused, then pause → update_weights_from_disk →
   continue (interruptible), or a plain update that drains in-flight requests first.
@@ -27,7 +30,13 @@ from typing import Any
 
 from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
 from sluice.engines.inference.profile import StepProfile
-from sluice.engines.rl.groups import group_index_of, group_key, reissue_plan, resume_gate
+from sluice.engines.rl.groups import (
+    group_index_of,
+    group_key,
+    reissue_plan,
+    resume_gate,
+    sample_seed,
+)
 from sluice.engines.rl.samples import group_rows
 from sluice.engines.rl.staleness import StalenessGate
 from sluice.engines.rl.trajectory import (
@@ -77,6 +86,17 @@ def committed_group_indices(reader: StreamReader) -> set[int]:
         table = reader.read(ref)
         indices.update(group_index_of(g) for g in set(table.column(GROUP_ID).to_pylist()))
     return indices
+
+
+def request_groups(
+    admitted: list[tuple[int, int]], one_request: bool, servers: int
+) -> list[list[tuple[int, int]]]:
+    """The requests the groups admitted together go out in: one per group, or (one
+    request a batch) one per server, contiguous runs of issue numbers."""
+    if not one_request or not admitted:
+        return [[group] for group in admitted]
+    size = -(-len(admitted) // max(1, min(servers, len(admitted))))  # ceil
+    return [admitted[i : i + size] for i in range(0, len(admitted), size)]
 
 
 class RolloutRole(Role):
@@ -197,21 +217,51 @@ class RolloutRole(Role):
         """The policy version the servers hold now (0 before the first is known)."""
         return self.current.policy_version if self.current else 0
 
-    async def generate_group(self, client: InferenceClient, index: int) -> list[TrajectoryRow]:
-        row, prompt_ids = self.prompts.train_prompt(index, self.served_version)
+    def sampling(self, index: int) -> dict[str, Any]:
+        """The sampling params of prompt group `index`: its seed is the synchronous loop's
+        for the same group (sample j of n = G draws with seed + j, Sluice's server rule),
+        so at eta = 0 both sample the same tokens. SGLang reads `sampling_seed` only under
+        --enable-deterministic-inference, and then gives all n samples that one seed."""
         cfg = self.config.rollout
-        sampling = {
+        return {
             "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "top_k": cfg.top_k,
             "stop_token_ids": list(self.prompts.stop_token_ids),
+            "sampling_seed": sample_seed(self.config.seed, index, 0),
         }
+
+    async def generate_group(self, client: InferenceClient, index: int) -> list[TrajectoryRow]:
+        row, prompt_ids = self.prompts.train_prompt(index, self.served_version)
+        sampling = self.sampling(index)
         if self.episodes is not None:
+            # A turn is a request of its own: one seed for every turn would draw each
+            # turn's tokens from the same uniforms, so episodes sample unseeded.
+            del sampling["sampling_seed"]
             return await self.generate_episodes(client, index, row, prompt_ids, sampling)
-        results = await client.generate_group(prompt_ids, cfg.group_size, sampling)
+        results = await client.generate_group(prompt_ids, self.config.rollout.group_size, sampling)
         worker, served = self.writer.writer_id, self.served_version
         return group_rows(index, row, prompt_ids, results, worker, version_if_empty=served)
+
+    async def generate_groups(
+        self, client: InferenceClient, indices: list[int]
+    ) -> list[list[TrajectoryRow]]:
+        """The rows of prompt groups `indices` (one list per group), sampled in one request:
+        a server schedules them as the synchronous loop's engine schedules a batch."""
+        if len(indices) == 1:
+            return [await self.generate_group(client, indices[0])]
+        prompts = [self.prompts.train_prompt(i, self.served_version) for i in indices]
+        results = await client.generate_groups(
+            [ids for _, ids in prompts],
+            self.config.rollout.group_size,
+            [self.sampling(i) for i in indices],
+        )
+        worker, served = self.writer.writer_id, self.served_version
+        return [
+            group_rows(index, row, ids, group, worker, version_if_empty=served)
+            for index, (row, ids), group in zip(indices, prompts, results, strict=True)
+        ]
 
     async def generate_episodes(
         self,
@@ -344,7 +394,14 @@ class RolloutRole(Role):
         if reissue:
             log.info("re-issuing %d groups that were in flight before the restart", len(reissue))
         max_in_flight = max(1, (2 * cfg.rollout.max_batch_size) // cfg.rollout.group_size)
-        in_flight: dict[asyncio.Task[list[TrajectoryRow]], tuple[int, int]] = {}
+        # eta = 0 (`mode: on_policy`): the trainer waits for the whole batch anyway, so the
+        # groups admitted together go out together, one request per server; with one
+        # server a batch is one request, computed as the synchronous loop computes it.
+        one_request = cfg.staleness.max_staleness == 0 and self.episodes is None
+        if one_request:
+            max_in_flight = max(max_in_flight, cfg.trainer.prompts_per_batch)
+        # Each request: the (issue number, gate ticket) of the groups it samples.
+        in_flight: dict[asyncio.Task[list[list[TrajectoryRow]]], list[tuple[int, int]]] = {}
         last_poll = last_profile = 0.0
         while not self.control.should_stop():
             self.stats.timer.enter(OTHER)  # polls and bookkeeping, until a state is named
@@ -366,7 +423,8 @@ class RolloutRole(Role):
                 last_profile = now
                 await self.read_profiles(client)
             version = self.current.policy_version if self.current else 0
-            while len(in_flight) < max_in_flight:
+            admitted: list[tuple[int, int]] = []
+            while sum(map(len, in_flight.values())) + len(admitted) < max_in_flight:
                 ticket = gate.try_start(version)
                 if ticket is None:
                     break
@@ -374,8 +432,10 @@ class RolloutRole(Role):
                     index = reissue.pop(0)
                 else:
                     index, next_index = next_index, next_index + 1
-                task = asyncio.create_task(self.generate_group(client, index))
-                in_flight[task] = (index, ticket)
+                admitted.append((index, ticket))
+            for groups in request_groups(admitted, one_request, len(client.base_urls)):
+                task = asyncio.create_task(self.generate_groups(client, [i for i, _ in groups]))
+                in_flight[task] = groups
             if not in_flight:
                 self.stats.timer.enter("idle")
                 await asyncio.sleep(0.05)
@@ -387,13 +447,16 @@ class RolloutRole(Role):
             )
             self.stats.timer.enter(OTHER)
             lost: InferenceServerUnreachableError | None = None
+            outcomes: list[tuple[int, int, list[TrajectoryRow] | None]] = []
             for task in finished:
-                index, ticket = in_flight.pop(task)
-                rows: list[TrajectoryRow] | None = None
+                groups = in_flight.pop(task)
+                results: list[list[TrajectoryRow] | None] = [None] * len(groups)
                 try:
-                    rows = task.result()
+                    results = list(task.result())
                 except InferenceServerUnreachableError as exc:
-                    lost = exc  # its server went away: the group goes again, like an abort
+                    lost = exc  # its server went away: its groups go again, like an abort
+                outcomes += [(i, t, rows) for (i, t), rows in zip(groups, results, strict=True)]
+            for index, ticket, rows in outcomes:
                 if rows is None or any(r.finish_reason == "abort" for r in rows):
                     gate.abandon(ticket)  # aborted by a weight update: free the slot, ask again
                     # Kept sorted: the smallest issue number goes first, so every group's

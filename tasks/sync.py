@@ -21,6 +21,7 @@ from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.inference.weight_sync import unique_named_tensors
 from sluice.engines.policy.model import resolve_device
+from sluice.engines.rl.groups import sample_seed
 from sluice.engines.rl.samples import (
     batch_rows,
     batch_table,
@@ -50,11 +51,6 @@ of the step, the publish on the critical path (the wait for the previous write a
 commit, the save or host copy), and loading the new weights into the engine."""
 SAMPLED_LENGTHS = 4096
 """How many of the newest (prompt, response) lengths the status keeps: the planner's workload."""
-
-
-def sample_seed(seed: int, group_index: int, sample: int) -> int:
-    """The sampling seed of response `sample` of prompt group `group_index` in run `seed`."""
-    return seed * 1_000_003 + group_index * 1009 + sample
 
 
 def step_requests(

@@ -210,6 +210,18 @@ class Scheduler:
                 self._waiting.append(seq)
             return request_id
 
+    def submit_many(self, requests: Iterable[GenerationRequest]) -> list[str]:
+        """Queue `requests`, in order, as one arrival: the next scheduler step finds all of
+        them waiting (and admits as many as fit), never a part. A server answering one
+        call for a whole batch this way schedules it as `generate` does in-process, so
+        the batch is computed the same way. Raises ValueError on bad input (nothing queued).
+        """
+        requests = list(requests)
+        for request in requests:
+            self.validate_request(request)
+        with self._control():
+            return [self.submit(request) for request in requests]
+
     def future(self, request_id: str) -> Future[GenerationOutput]:
         """The future that resolves to the request's output."""
         with self._lock:
@@ -253,7 +265,7 @@ class Scheduler:
 
     def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:
         """Submit all requests, wait for all, return outputs in submission order."""
-        ids = [self.submit(r) for r in requests]
+        ids = self.submit_many(requests)
         return [self.result(i) for i in ids]
 
     def abort(self, request_id: str, message: str = "aborted by request") -> bool:

@@ -8,6 +8,10 @@ group of batch k slip into batch k + 1, eta + 1 versions old. A restarted rollou
 re-issues the numbers below its high-water mark that never reached the stream
 (`reissue_plan`) and re-bases its gate from durable counts (`resume_gate`).
 
+A group's number also fixes its sampling seeds (`sample_seed`), and a batch is in
+(group, sample) order, as in the synchronous loop: at eta = 0 both do the same work
+and train the same batches, bit for bit on a CPU.
+
 **Dynamic sampling with refill** (`trainer.dynamic_sampling`, DAPO): a group whose
 rewards are all equal carries no gradient, so batch k is instead the B *informative*
 groups that follow batch k − 1 in issue order, together with the uninformative ones
@@ -41,6 +45,25 @@ def group_index_of(group_id: str) -> int:
     return int(number)
 
 
+def sample_index_of(sample_id: str) -> int:
+    """Which of its group's responses a `sample_id` (`{group_key}-{k:03d}`) names: k."""
+    head, _, number = sample_id.rpartition("-")
+    if not head.startswith("group-") or not number.isdigit():
+        raise ValueError(f"{sample_id!r} is not a Sluice sample id ('group-NNNNNNNNN-KKK')")
+    return int(number)
+
+
+def sample_seed(seed: int, group_index: int, sample: int) -> int:
+    """The sampling seed of response `sample` of prompt group `group_index` in run `seed`.
+
+    The synchronous loop and the rollout role draw group n's responses with the same
+    seeds, so at eta = 0 they sample the same tokens: the rollout sends
+    `sample_seed(seed, n, 0)` with n = G, and a server gives sample j that seed + j.
+    Distinct for every (group, sample) while G <= 1009.
+    """
+    return seed * 1_000_003 + group_index * 1009 + sample
+
+
 def reissue_plan(written: set[int]) -> tuple[int, list[int]]:
     """Where a restarted rollout role goes on: the next new issue number, and the numbers
     below it that never reached the stream (in flight when the last process died), which
@@ -69,6 +92,16 @@ def resume_gate(
 def informative(rewards: list[float]) -> bool:
     """Whether a group's rewards differ (all equal: zero advantage, no gradient)."""
     return len(rewards) > 0 and max(rewards) != min(rewards)
+
+
+def in_sample_order(table: pa.Table, rows: list[int]) -> list[int]:
+    """One group's `rows` of `table` ordered by sample index (as they are when the
+    table has no `sample_id`), so a batch is in (group, sample) order whatever order a
+    writer put the responses in: the synchronous loop trains them in that order."""
+    if "sample_id" not in table.column_names:
+        return rows
+    ids = table.column("sample_id").take(rows).to_pylist()
+    return [row for _, row in sorted(zip(map(sample_index_of, ids), rows, strict=True))]
 
 
 class NamedShard(Protocol):
@@ -135,7 +168,7 @@ class GroupBuffer(Generic[ShardT]):
                     f"{self._shard_of[index]}; skipped"
                 )
             else:
-                self._groups[index] = table.take(rows)
+                self._groups[index] = table.take(in_sample_order(table, rows))
                 self._shard_of[index] = ref.name
                 kept.add(index)
         if kept:
@@ -174,7 +207,8 @@ class GroupBuffer(Generic[ShardT]):
         return taken, True
 
     def take(self, step: int) -> tuple[pa.Table | None, list[ShardT]]:
-        """Batch `step` (the groups present, in issue order) and the shards it completes.
+        """Batch `step` (the groups present, in issue order, each group's responses in
+        sample order) and the shards it completes.
 
         Refill: the informative groups of the numbers from the cursor up to the B-th
         informative one; the uninformative ones among them are dropped (`last_dropped`)

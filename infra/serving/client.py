@@ -238,19 +238,55 @@ class InferenceClient:
             sampling_params={**(sampling_params or {}), "n": n},
             return_logprob=return_logprob,
         )
+        return await self._generate_samples(body, n, return_logprob)
+
+    async def generate_groups(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling_params: Sequence[dict[str, Any]],
+        return_logprob: bool = True,
+    ) -> list[list[GenerateResponse]]:
+        """Sample ``n`` responses to each of ``prompts`` in one request (SGLang's batched
+        ``input_ids`` with ``n``); answer i holds prompt i's ``n`` responses, sampled under
+        ``sampling_params[i]`` (each group its own ``sampling_seed``, say).
+
+        One request for a whole batch of groups: a server queues it as one arrival, so
+        its engine schedules the batch as the synchronous loop's in-process engine does
+        (the responses come back in (prompt, sample) order, as SGLang expands ``n``).
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts or len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"need one sampling_params per prompt: {len(prompts)} prompts, "
+                f"{len(sampling_params)} sampling_params"
+            )
+        body = protocol.GenerateBody(
+            input_ids=[[int(t) for t in ids] for ids in prompts],
+            sampling_params=[{**params, "n": n} for params in sampling_params],
+            return_logprob=return_logprob,
+        )
+        answers = await self._generate_samples(body, len(prompts) * n, return_logprob)
+        return [answers[i : i + n] for i in range(0, len(answers), n)]
+
+    async def _generate_samples(
+        self, body: protocol.GenerateBody, count: int, return_logprob: bool
+    ) -> list[GenerateResponse]:
+        """Send one /generate `body` that asks for `count` samples; its answers, in order."""
         adapter = self._name_adapter(body)
         url = self._pick_server()
-        self._in_flight[url] += n
+        self._in_flight[url] += count
         try:
             payload = await self._request(url, "POST", protocol.GENERATE, body)
         finally:
-            self._in_flight[url] -= n
-        if n == 1 and isinstance(payload, dict):
+            self._in_flight[url] -= count
+        if count == 1 and isinstance(payload, dict):
             payload = [payload]
-        if not isinstance(payload, list) or len(payload) != n:
+        if not isinstance(payload, list) or len(payload) != count:
             raise InferenceServerError(
                 url,
-                f"inference server {url} answered a request for {n} samples with "
+                f"inference server {url} answered a request for {count} samples with "
                 f"{len(payload) if isinstance(payload, list) else 'a non-list'} responses",
             )
         return [self._parse_generate(url, item, return_logprob, adapter) for item in payload]

@@ -124,10 +124,11 @@ TENSOR_FIELDS: tuple[str, ...] = (
 
 
 class GenerateBody(TypedDict, total=False):
-    """``POST /generate`` as the client sends it (the server also takes ``text``)."""
+    """``POST /generate`` as the client sends it (the server also takes ``text``): one
+    prompt, or a batch of prompts with one ``sampling_params`` each."""
 
-    input_ids: list[int]
-    sampling_params: dict[str, Any]
+    input_ids: list[int] | list[list[int]]
+    sampling_params: dict[str, Any] | list[dict[str, Any]]
     return_logprob: bool
     rid: str
     lora_path: str

@@ -129,9 +129,11 @@ def create_app(
                 raise BadRequestError(f"{where}{exc}") from exc
         engine_ids: list[str] = []
         try:
-            for gen_request, _, display in expanded:
-                engine_ids.append(engine.submit(gen_request))
-                state.rid_to_engine_ids.setdefault(display, []).append(engine_ids[-1])
+            # One arrival: the engine's next step holds the whole call (a GRPO group, or
+            # an on-policy batch), scheduled as the in-process loop schedules it.
+            engine_ids = engine.submit_many(gen_request for gen_request, _, _ in expanded)
+            for engine_id, (_, _, display) in zip(engine_ids, expanded, strict=True):
+                state.rid_to_engine_ids.setdefault(display, []).append(engine_id)
             outputs = await asyncio.gather(
                 *(asyncio.wrap_future(engine.future(i)) for i in engine_ids)
             )

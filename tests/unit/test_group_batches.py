@@ -16,7 +16,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from sluice.engines.rl.groups import GroupBuffer, group_index_of, group_key
+from sluice.engines.rl.groups import (
+    GroupBuffer,
+    group_index_of,
+    group_key,
+    sample_index_of,
+    sample_seed,
+)
 from sluice.engines.rl.staleness import StalenessGate
 from sluice.infra.streams.errors import CorruptShardError
 from sluice.infra.streams.names import ShardRef, shard_key_tag
@@ -102,6 +108,42 @@ def test_a_batch_with_groups_missing_gives_what_is_there_and_none_when_empty() -
     table, _ = buffer.take(0)
     assert batch_indices(table) == [1]
     assert buffer.take(1) == (None, [])
+
+
+def test_a_batch_is_in_group_then_sample_order_whatever_order_the_rows_were_written() -> None:
+    # The synchronous loop trains (group, sample) order; a writer's order must not matter.
+    rng = random.Random(3)
+    buffer = GroupBuffer(prompts_per_batch=3)
+
+    def shuffled(group: int) -> list[tuple[int, int]]:
+        samples = list(range(12))  # 10 and 11 sort after 9 as numbers, as ids too ("-010")
+        rng.shuffle(samples)
+        return [(group, k) for k in samples]
+
+    for name, rows in (("a", shuffled(2) + shuffled(0)), ("b", shuffled(1))):
+        table = pa.table(
+            {
+                "sample_id": [f"{group_key(g)}-{k:03d}" for g, k in rows],
+                "group_id": [group_key(g) for g, _ in rows],
+            }
+        )
+        buffer.add(ref(name, groups=2 if name == "a" else 1), table, step=0)
+    table, _ = buffer.take(0)
+    assert table is not None
+    assert table.column("sample_id").to_pylist() == [
+        f"{group_key(g)}-{k:03d}" for g in range(3) for k in range(12)
+    ]
+
+
+def test_group_n_samples_with_the_sync_loops_seeds_sample_j_at_seed_plus_j() -> None:
+    # The rollout sends sample_seed(seed, n, 0) with n = G; a server gives sample j seed + j.
+    assert sample_seed(7, 3, 1) == 7 * 1_000_003 + 3 * 1009 + 1  # the seeds runs were made with
+    seeds = [sample_seed(5, n, 0) + j for n in range(300) for j in range(64)]
+    assert seeds == [sample_seed(5, n, j) for n in range(300) for j in range(64)]
+    assert len(set(seeds)) == len(seeds)
+    assert sample_index_of(f"{group_key(12)}-007") == 7
+    with pytest.raises(ValueError, match="not a Sluice sample id"):
+        sample_index_of("sample-7")
 
 
 def test_a_foreign_group_id_is_one_clear_error() -> None:

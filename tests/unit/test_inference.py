@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,6 +99,42 @@ def test_batched_generation_matches_one_at_a_time(
         assert got.output_token_ids == alone.output_token_ids
         assert got.finish_reason == alone.finish_reason
         assert got.behaviour_logprobs == pytest.approx(alone.behaviour_logprobs, abs=1e-5)
+
+
+def test_a_batch_submitted_at_once_to_a_running_engine_matches_in_process_generate(
+    model_dirs: dict[str, Path],
+) -> None:
+    # A server queues one request's samples with submit_many while its scheduler thread
+    # runs; the next step must find them all, as in-process generate() does, or the
+    # rows batched together (and the log-probs' last bits) differ.
+    requests = _requests(9, temperature=1.0)
+    reference = _engine(model_dirs["v0"]).generate(requests)
+
+    def slowly() -> Iterator[GenerationRequest]:  # time for the scheduler to step between
+        for request in requests:
+            time.sleep(0.01)
+            yield request
+
+    engine = _engine(model_dirs["v0"])
+    engine.start()
+    try:
+        for _ in range(2):
+            ids = engine.submit_many(slowly())
+            served = [engine.future(i).result(timeout=60) for i in ids]
+            for request_id in ids:
+                engine.forget(request_id)
+            assert [o.output_token_ids for o in served] == [o.output_token_ids for o in reference]
+            assert [o.behaviour_logprobs for o in served] == [
+                o.behaviour_logprobs for o in reference
+            ]
+            first = served[0].admitted_step
+            assert [o.admitted_step for o in served[:4]] == [first] * 4  # 4 slots
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine = _engine(model_dirs["v0"])
+        engine.submit_many([requests[0], GenerationRequest([3] * 96, SamplingParams())])
+    assert engine.num_waiting == 0  # a bad request in the batch queues none of it
 
 
 def test_decode_buckets_follow_the_falling_lengths_of_resident_rows() -> None:

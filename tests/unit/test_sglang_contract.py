@@ -138,6 +138,15 @@ def exchanges(model_dir: Path) -> list[tuple[str, Any, int, Any]]:
                 },
             )
             await client.generate([7], {"max_new_tokens": 3}, return_logprob=False)
+            # An on-policy batch: two groups in one request, each with its own seed.
+            await client.generate_groups(
+                [[8, 9], [10]],
+                2,
+                [
+                    {"max_new_tokens": 3, "sampling_seed": 5},
+                    {"max_new_tokens": 3, "sampling_seed": 9},
+                ],
+            )
             await client.pause("retract")
             await client.update_weights_from_disk(str(model_dir), 1)
             await client.continue_()
@@ -162,8 +171,9 @@ def test_client_generate_requests_decode_as_sglang_generate_requests(
 ) -> None:
     bodies = [sent for path, sent, _, _ in exchanges if path == "/generate"]
     # A group of 3 samples is one request with SGLang's `n`, not three requests.
-    assert len(bodies) == 3
+    assert len(bodies) == 4
     assert bodies[1]["sampling_params"]["n"] == 3
+    assert [p["n"] for p in bodies[3]["sampling_params"]] == [2, 2]  # a batch: n per prompt
     for body in bodies:
         decoded = api.GenerateRequest.from_json_value(
             body
@@ -183,7 +193,7 @@ def test_server_generate_responses_decode_as_sglang_generate_responses(
         # A request with n > 1 is answered with a list: one response per sample.
         for one in (received if isinstance(received, list) else [received])
     ]
-    assert len(answers) == 5
+    assert len(answers) == 9
     for sent, received in answers:
         decoded = api.GenerateResponse.from_json_value(received)
         assert set(received) <= set(api.GenerateResponse.__struct_fields__)
