@@ -1,5 +1,7 @@
 """One Prefect test harness per session: starting its API costs ~10 s."""
 
+import os
+
 import pytest
 
 from tests.conftest import local_run_settings
@@ -11,6 +13,28 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+# A random tiny policy never answers the built-in task, so every reward would be 0, every
+# advantage 0 and every loss exactly 0.0 in both runs: equal, and testing nothing. A
+# graded reward gives each group a spread, so the losses carry the trainer's numerics.
+GRADED_REWARD = """
+def digit_fraction(row, text):
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+"""
+
+
+@pytest.fixture
+def graded_verifier(tmp_path, monkeypatch):
+    """A verifier that scores the share of digits in a response (runs compared bit for
+    bit need a reward with a spread): its `module:function` name."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "determinism_reward.py").write_text(GRADED_REWARD)
+    # Role processes inherit the environment; they import the verifier, not this process.
+    path = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    return "determinism_reward:digit_fraction"
 
 
 def tiny_run_overrides(tmp_path, **extra):

@@ -1,7 +1,5 @@
 """Two seeded synchronous runs log bit-identical losses; a different seed does not."""
 
-import os
-
 import pytest
 
 from sluice.flows.bench.determinism import compare_histories, determinism_check, run_sync
@@ -9,25 +7,6 @@ from sluice.infra.config import load_config
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = [pytest.mark.flows, pytest.mark.slow]
-
-# A random tiny policy never answers the built-in task, so every reward would be 0, every
-# advantage 0 and every loss exactly 0.0 in both runs: equal, and testing nothing. A
-# graded reward gives each group a spread, so the losses carry the trainer's numerics.
-GRADED_REWARD = """
-def digit_fraction(row, text):
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-"""
-
-
-@pytest.fixture
-def graded_verifier(tmp_path, monkeypatch):
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (plugins / "determinism_reward.py").write_text(GRADED_REWARD)
-    # Role processes inherit the environment; they import the verifier, not this process.
-    path = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
-    monkeypatch.setenv("PYTHONPATH", path)
-    return "determinism_reward:digit_fraction"
 
 
 def test_seeded_sync_runs_match_bit_for_bit_and_another_seed_differs(
