@@ -349,6 +349,7 @@ def _put_files(
 
     def put(file: tuple[str, Path]) -> None:
         rel, full = file
+        failpoint("checkpoint.put_file")  # armed to sleep: slow storage on purpose
         if not (link and link_file(fs, full, f"{root}/{rel}")):
             put_file(fs, full, f"{root}/{rel}")
 

@@ -256,7 +256,7 @@ class StorageConfig(_Section):
     options: dict[str, Any] = {}
     """fsspec storage options (e.g. s3 endpoint_url, key, secret)."""
     keep_versions: int | None = Field(3, ge=0)
-    """Published policy versions whose weights stay on storage: the newest K (at least 2: the rollout side serves one while it fetches the next), plus every version an MLflow alias or a `sluice.keep` tag pins and every version the evaluation schedule has yet to score (docs/operations.md, "Checkpoints and retention"). Older ones are deleted after each publish and tagged `sluice.deleted`; only the newest version's trainer state is kept. 0 or None = keep every version (at 135M parameters each is ~0.5 GB)."""
+    """Published policy versions whose weights stay on storage: the newest K (at least 2: the rollout side serves one while it fetches the next), plus every version an MLflow alias or a `sluice.keep` tag pins and every version the evaluation schedule has yet to score (docs/operations.md, "Checkpoints and retention"). Older ones are deleted after each durable commit and tagged `sluice.deleted`; the newest two durable versions' trainer states are kept. Versions that were only servable (`checkpoint.every_versions`) count among the newest K and go the same way. 0 or None = keep every version (at 135M parameters each is ~0.5 GB)."""
 
     @field_validator("keep_versions")
     @classmethod

@@ -82,8 +82,7 @@ LEGACY_ALIAS = "sluice-latest"
 _DEFAULT_ALIASES = (DEFAULT_ALIAS, LEGACY_ALIAS)
 
 _ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
-# Far above any run's version count, far below MLflow's 200k page cap.
-_PAGE_SIZE = 1000
+_PAGE_SIZE = 1000  # far above any run's version count, far below MLflow's 200k page cap
 
 
 class RegistryError(Exception):
@@ -95,8 +94,7 @@ class PolicyVersionConflict(RegistryError, ValueError):
 
 
 class CheckpointRegistry:
-    """Policy versions of one registered model: a forward-only servable alias and a
-    forward-only durable alias (module notes)."""
+    """Policy versions of one model: forward-only servable and durable aliases."""
 
     def __init__(
         self,
@@ -220,6 +218,7 @@ class CheckpointRegistry:
         trainer_step: int | None = None,
         incarnation: int = 0,
         durable: bool = True,
+        pending: bool = True,
         check_files: bool | None = None,
     ) -> CommittedVersion:
         """Register the checkpoint at `checkpoint_uri` as version (`incarnation`,
@@ -237,7 +236,8 @@ class CheckpointRegistry:
 
         A servable version (`durable` False) may have no files on storage yet (its
         weights are in the trainer's sender): its source is where its durable checkpoint
-        will land, and nothing is verified unless `check_files` (default: `durable`).
+        will land, and nothing is verified unless `check_files` (default: `durable`);
+        it is tagged ``pending`` (durability under way), or ``skipped`` if not `pending`.
         """
         policy_version = check_policy_version(policy_version)
         incarnation = check_incarnation(incarnation)
@@ -290,7 +290,7 @@ class CheckpointRegistry:
         all_tags = {
             TAG_POLICY_VERSION: str(policy_version),
             TAG_INCARNATION: str(incarnation),
-            TAG_DURABLE: DURABLE if durable else PENDING,
+            TAG_DURABLE: DURABLE if durable else PENDING if pending else SKIPPED,
             TAG_TRAINER_STEP: str(policy_version if trainer_step is None else trainer_step),
             TAG_RUN_ID: run_id or "",
             TAG_CHECKPOINT_DIGEST: manifest.digest if manifest is not None else "",
@@ -345,12 +345,6 @@ class CheckpointRegistry:
             )
         self._move_durable_alias_forward(committed)
         return committed
-
-    def mark_skipped(self, policy_version: int, *, incarnation: int = 0) -> None:
-        """Tag a pending (r, k) ``skipped``: servable, and durability will not follow."""
-        committed = self._resolve(check_policy_version(policy_version), incarnation)
-        if committed.durability == PENDING:
-            self._tag(committed, TAG_DURABLE, SKIPPED)
 
     def reset_lineage(self, durable: CommittedVersion) -> list[CommittedVersion]:
         """Start a new incarnation from `durable`, the newest durable version: every

@@ -3,9 +3,9 @@
 Per step k: train the B prompt groups the rollout role issued as numbers kB..kB+B-1
 (read from the scored stream in whatever order they finished), compute group
 advantages, recompute π_prox and run the decoupled PPO step (sluice.engines.rl.trainer). Every
-`publish_every` steps the weights are saved as a checkpoint, committed to the
-registry as the next policy version (only once durable), and then the shards that
-went into it are acknowledged with that version in the ledger meta.
+`publish_every` steps the weights are published as the next policy version: servable at
+once, durable at the cadence of `checkpoint.*` (tasks/publisher.py); the shards that
+went into it are acknowledged once a durable version covers them.
 
 Why by issue number and not by arrival: the staleness gate admitted group n only while
 floor(n / B) <= i + eta (i = the version the rollout served), so training group n in
@@ -15,49 +15,41 @@ Training in issue order also makes exactly-once simple: version v has trained ex
 the groups numbered below v * B. A group whose shard was quarantined as corrupt (in
 either stream) is lost: the step goes on without it once that is certain.
 
-Exactly once: each version records the list of shards it consumed
-(`checkpoints/consumed/`, durable before the commit). A crash after the commit but
-before the ack is repaired on restart by acking that list; a crash before the commit
-retrains those shards from the previous version, whose weights never saw them.
+Exactly once: each durable version records the shards trained since the durable version
+before it (`checkpoints/consumed/`, on storage before its commit). A crash after the
+commit but before the ack is repaired on restart by acking that list; a crash before
+it retrains those shards from the newest durable version, whose weights never saw them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import pyarrow as pa
 
-from sluice.engines.inference.loading import resolve_dtype
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.watchdog import Firing
 from sluice.infra.config import RunConfig
-from sluice.infra.failpoints import failpoint
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
-from sluice.infra.weight_transfer import weight_transfer_path
 from sluice.tasks.process.ray_ranks import RankStart
+from sluice.tasks.publisher import Publisher
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.metrics_file import log_step_metrics
-from sluice.tasks.run.paths import ROLLOUTS, SCORED, write_json
+from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import (
-    SavedVersion,
     fetch_reference,
     read_consumed,
     read_next_group,
-    save_version,
-    save_version_later,
 )
 from sluice.tasks.train_watchdog import StepWatch, stop_line
 from sluice.tasks.training import (
@@ -67,7 +59,6 @@ from sluice.tasks.training import (
     reward_shaping,
     staleness_counts,
 )
-from sluice.tasks.weight_sender import SENDER_FILE, WeightSender
 
 log = logging.getLogger("sluice.train")
 LOST_CHECK_INTERVAL_S = 5.0
@@ -115,23 +106,16 @@ class TrainRole(TrainingRole):
         self.advantages = advantage_fn(config)
         self.shape_rewards = reward_shaping(config)
         self._rollouts: StreamReader | None = None
-        self.background = Background("trainer-commit")
-        self._pending: tuple[int, list[ShardRef], SavedVersion] | None = None
+        self.background = Background("trainer-metrics")
         self.watch = StepWatch(config, mlflow_run_id)
-        self.sender: WeightSender | None = None
-        self.last_offer_s: float | None = None
-        """Seconds the newest published version took to copy into the sender (the whole
-        trainer-side cost of a fast weight path)."""
-        self.last_write_s: float | None = None
-        """Seconds the newest deferred checkpoint write took (off the critical path)."""
-        self.last_publish_parts: dict[str, float] = {}
+        self.publisher: Publisher | None = None
+        """Set once the start version is known (`start_version`)."""
         self.timer = StateTimer(TRAIN_STATES, initial="start")
-        """Of the newest publish on the critical path: the wait for the version before
-        (``train/publish_wait_s``) and the copy to host memory (``train/host_copy_s``)."""
 
     def start_version(self) -> CommittedVersion:
         """The newest durable version (alias repaired), its consumed shards acked."""
         latest = super().start_version()
+        self.publisher = Publisher(self, self.reader, self.local_root, latest.policy_version)
         self.reconcile_ledger(latest)
         if self.buffer.refill:
             recorded = read_next_group(self.config, self.paths, latest)
@@ -236,111 +220,19 @@ class TrainRole(TrainingRole):
     def publish(
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
     ) -> None:
-        """Publish version `version`: its weights offered to the rollout's fast path, its
-        checkpoint written, uploaded and committed while the next step trains.
-
-        On the trainer's critical path: a copy of the weights and optimizer state to
-        host memory (or, for a trainer that cannot defer, the offer to a fast path and
-        the local save themselves). The offer (a copy in the serving dtype), the local
-        write, the upload and the registry commit run on the background thread, in that
-        order: a version is committed only once durable, and the rollout serves only
-        committed versions, so every token version a sample carries can be resumed from. The shards the version
-        consumed are acked by `finish_publish`, after the commit: a crash in between
-        retrains them from the previous version (never committed) or acks them on
-        restart (`reconcile_ledger`), as before.
-        """
-        started = time.monotonic()
-        self.finish_publish()
-        waited = time.monotonic()
-        local = self.local_root / f"v{version:06d}"
-        deferred = (
-            save_version_later(trainer, local, version)
-            if self.config.trainer.background_save
-            else None
-        )
-        self.last_publish_parts = {"train/publish_wait_s": waited - started}
-        if deferred is not None:
-            self.last_publish_parts["train/host_copy_s"] = time.monotonic() - waited
-        on_gpu = next(trainer.model.parameters()).is_cuda
-        if deferred is None or on_gpu:
-            # On a GPU the sender's copy stays on it (NCCL, CUDA IPC): a device copy.
-            self.offer(version, trainer.model.state_dict())
-        if deferred is None:
-            saved, write = save_version(trainer, local, version), None
-        else:
-            saved, write, weights = deferred
-            if self.sender is not None and not on_gpu:  # from the host copy, off the path
-                self.background.submit(self.offer, version, weights)
-        names = [r.name for r in consumed]
+        """Publish version `version`, which trained `consumed`: servable at once, durable
+        at the cadence (tasks/publisher.py). On the critical path: one copy of the
+        weights (and, for a durable version, the optimizer state)."""
+        if self.publisher is None:
+            self.publisher = Publisher(self, self.reader, self.local_root, version - 1)
         cursor = self.buffer.cursor if self.buffer.refill else None
-        self.background.submit(self.write_and_commit, write, saved, version, tags, names, cursor)
-        self._pending = (version, consumed, saved)
+        self.publisher.publish(trainer, version, consumed, tags, cursor)
 
-    def offer(self, version: int, state: dict[str, Any]) -> None:
-        """Hold `version`'s weights in the sender (a fast path): before its commit, since
-        the rollout asks for a version only once the registry has it."""
-        if self.sender is None:
-            return
-        started = time.monotonic()
-        self.sender.offer(version, state)
-        self.last_offer_s = time.monotonic() - started
-
-    def write_and_commit(
-        self,
-        write: Callable[[], None] | None,
-        saved: SavedVersion,
-        version: int,
-        tags: dict[str, Any],
-        names: list[str],
-        cursor: int | None,
-    ) -> str:
-        """The background half of `publish`: the deferred local write, then the commit."""
-        if self.sender is not None:  # offered to the servers' fast path, not yet durable
-            failpoint("train.offered_not_durable")
-        if write is not None:
-            started = time.monotonic()
-            write()
-            self.last_write_s = time.monotonic() - started
-        return self.commit_version(saved, version, tags, names, cursor)
-
-    def finish_publish(self) -> None:
-        """Wait for the pending commit (and metric logging), then ack what it consumed."""
-        self.background.wait()
-        if self._pending is None:
-            return
-        version, consumed, saved = self._pending
-        self._pending = None
-        self.reader.ack(consumed, meta={"policy_version": version})
-        # Keep the newest local copy only: the durable one is on storage.
-        for old in self.local_root.glob("v*"):
-            if old != saved.policy.parent:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def start_sender(self) -> None:
-        """Offer published versions to the rollout over a fast path (shared memory or a
-        weight group: `servers.weight_transfer`); its URL goes in the control dir."""
-        cfg = self.config
-        path = weight_transfer_path(cfg)
-        if path == "disk":
-            return
-        self.sender = WeightSender(
-            dtype=resolve_dtype(cfg.rollout.dtype),
-            bucket_bytes=int(cfg.servers.weight_bucket_mb * 2**20),
-            group_timeout_s=cfg.servers.weight_group_timeout_s,
-            bind_host="0.0.0.0" if cfg.servers.launch == "ray" else "127.0.0.1",
-        )
-        url = self.sender.start()
-        write_json(
-            cfg,
-            f"{self.paths.control}/{SENDER_FILE}",
-            {"url": url, "pid": os.getpid(), "path": path, "started_at": time.time()},
-        )
-        log.info("policy versions are offered over %s at %s", path, url)
-
-    def stop_sender(self) -> None:
-        if self.sender is not None:
-            self.sender.stop()
-            self.sender = None
+    def finish_publish(self, trainer: PolicyTrainer | None = None, trained: int = -1) -> None:
+        """Wait for every publishing job and ack what durable versions cover; with the
+        `trainer` that trained `trained` steps, its newest version is made durable too."""
+        if self.publisher is not None:
+            self.publisher.finish(trainer, trained)
 
     def stop_on_watchdog(self, firing: Firing) -> NoReturn:
         """End the role on a watchdog `stop`: the commit in flight finishes, the step
@@ -349,7 +241,9 @@ class TrainRole(TrainingRole):
         WatchdogStopped)."""
         self.finish_publish()
         self.background.close()
-        self.stop_sender()
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher.stop_sender()
         latest = self.registry.newest_durable()
         self.status.update(force=True, state="stopped", **self.watch.status())
         last_good = latest.policy_version if latest is not None else 0
@@ -366,7 +260,9 @@ class TrainRole(TrainingRole):
             reference,
             start=RankStart(run_id=self.run_id, version=latest),
         )
-        self.start_sender()
+        assert self.publisher is not None
+        publisher = self.publisher
+        publisher.start_sender()
         version = latest.policy_version
         total = cfg.trainer.total_steps
         B = cfg.trainer.prompts_per_batch
@@ -456,11 +352,7 @@ class TrainRole(TrainingRole):
                 self.publish(trainer, version, unpublished, tags)
                 self.timer.enter(OTHER)
                 metrics["train/publish_stall_s"] = time.monotonic() - stall
-                metrics.update(self.last_publish_parts)
-                if self.last_offer_s is not None:
-                    metrics["train/weight_offer_s"] = self.last_offer_s
-                if self.last_write_s is not None:
-                    metrics["train/checkpoint_write_s"] = self.last_write_s
+                metrics.update(publisher.parts)
                 unpublished = []
                 log.info(
                     "step %d: reward %.3f, staleness %.2f, loss %.4f",
@@ -475,6 +367,7 @@ class TrainRole(TrainingRole):
             timeline, cumulative = self.timer.lap_metrics(), self.timer.report()
             metrics.update(timeline)
             metrics.update(self.background.report())
+            metrics.update(publisher.report())
             self.background.submit(
                 log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
@@ -492,10 +385,11 @@ class TrainRole(TrainingRole):
                 **self.background.report(),
             )
         self.timer.enter("publish")  # the last commit, on the way out
-        self.finish_publish()
+        self.finish_publish(trainer, version)
         self.timer.enter(OTHER)
         trainer.close()
         self.background.close()
-        self.status.update(**self.timer.report(), **self.background.report())
+        publisher.close()
+        self.status.update(**self.timer.report(), **self.background.report(), **publisher.report())
         self.finish(version)
-        self.stop_sender()  # after the done marker: a rollout that finds it gone sees why
+        publisher.stop_sender()  # after the done marker: a rollout that finds it gone sees why

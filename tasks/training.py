@@ -28,7 +28,7 @@ from sluice.engines.rl.advantages import AdvantageFn, make_advantage_fn
 from sluice.engines.rl.reward_shaping import overlong_penalty
 from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
-from sluice.infra.checkpoints import save_checkpoint
+from sluice.infra.checkpoints import canonical_url, save_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.lease import StorageLease
 from sluice.infra.registry import CommittedVersion
@@ -218,13 +218,18 @@ class TrainingRole(Role):
         tags: dict[str, Any],
         consumed: list[str] | None = None,
         next_group: int | None = None,
+        *,
+        registered: bool = False,
+        policy_saved: bool = False,
     ) -> str:
         """Upload the trainer state, the `consumed` shard list and the policy in `saved`,
-        then commit the policy as `version`; returns its URI. Retention runs after the
-        commit and never fails it. A role whose lease was taken over commits nothing
-        (`LeaseLost`).
+        then commit the policy as durable `version`; returns its URI. Retention runs
+        after the commit and never fails it. A role whose lease was taken over commits
+        nothing (`LeaseLost`). `registered`: the version is registered servable already
+        (it is marked durable); `policy_saved`: its policy files are on storage already
+        (the disk path's servable copy).
 
-        The version is not committed yet (a trainer continues from the newest committed
+        The version is not durable yet (a trainer continues from the newest durable
         one), so whatever its URLs hold is the leftover of an attempt that died before
         its commit, and is replaced.
         """
@@ -258,21 +263,35 @@ class TrainingRole(Role):
                     self._base_reference = base_reference(self.config, self.registry)
                 write_base_reference(saved.policy, self._base_reference)
                 tags = {**tags, "lora.base_digest": self._base_reference["base_digest"]}
-            uri = save_checkpoint(
-                saved.policy, self.paths.checkpoint(version), options, replace=True, link=True
-            )
+            url = self.paths.checkpoint(version)
+            if policy_saved:
+                uri = canonical_url(url, options)
+            else:
+                uri = save_checkpoint(saved.policy, url, options, replace=True, link=True)
             parts["train/commit_policy_s"] = time.monotonic() - started
             state.result()
-        self.registry.commit(
-            version,
-            uri,
-            run_id=self.mlflow_run_id,
-            tags=tags,
-            trainer_step=version,
-            incarnation=self.incarnation,
-        )
+        if registered:
+            self.registry.mark_durable(version, incarnation=self.incarnation)
+        else:
+            self.registry.commit(
+                version,
+                uri,
+                run_id=self.mlflow_run_id,
+                tags=tags,
+                trainer_step=version,
+                incarnation=self.incarnation,
+            )
         self.last_commit_s = time.monotonic() - started
-        self.last_commit_parts = {**parts, "train/commit_s": self.last_commit_s}
+        made = [saved.trainer_state] if policy_saved else [saved.trainer_state, saved.policy]
+        durable_bytes = float(
+            sum(f.stat().st_size for d in made for f in d.rglob("*") if f.is_file())
+        )
+        self.last_commit_parts = {
+            **parts,
+            "train/commit_s": self.last_commit_s,
+            "train/commit_bytes": durable_bytes,
+            "train/commit_gb_per_s": durable_bytes / 1e9 / max(1e-9, self.last_commit_s),
+        }
         self.retention.after_commit(version)
         return uri
 

@@ -412,12 +412,13 @@ class PolicyTrainer(LogprobPasses):
         (state / TRAINER_STATE_FILE).write_text(json.dumps(saved, indent=2))
         return out
 
-    def save_later(self) -> Callable[..., Path] | None:
+    def save_later(self, *, weights_only: bool = False) -> Callable[..., Path] | None:
         """What ``save`` would write now, copied to host memory, and a function that
         writes it later (same arguments as ``save``, same files; its ``weights`` is the
         copied state dict): the trainer goes on training while the checkpoint of the
         step before is written (``trainer_files.deferred_save``). None when this trainer
-        saves only now (a LoRA adapter is megabytes; a backend with its own save)."""
+        saves only now (a LoRA adapter is megabytes; a backend with its own save).
+        `weights_only`: the policy directory alone, no trainer state."""
         if self.lora is not None or (
             type(self)._save_weights_and_optimizer is not PolicyTrainer._save_weights_and_optimizer
         ):
@@ -429,6 +430,7 @@ class PolicyTrainer(LogprobPasses):
             self._saved_state(),
             self.tokenizer,
             self._tokenizer_files,
+            weights_only=weights_only,
         )
 
     def _saved_state(self) -> dict[str, Any]:

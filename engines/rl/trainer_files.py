@@ -186,16 +186,21 @@ def deferred_save(
     saved_state: dict[str, Any],
     tokenizer: Any,
     tokenizer_files: dict[str, bytes],
+    *,
+    weights_only: bool = False,
 ) -> Any:
     """A copy of ``model``'s weights and ``optimizer``'s state in host memory (three
     times the float32 weights: the trainer's critical path pays this copy), and a
     function ``write(out_dir, *, state_dir=None, extra=None)`` that writes from it the
-    files ``PolicyTrainer.save`` would have written at the time of the copy."""
+    files ``PolicyTrainer.save`` would have written at the time of the copy.
+
+    `weights_only`: copy the weights alone (a third of it) and write the policy
+    directory alone (a version that is servable, not durable)."""
     import torch
 
     with torch.no_grad():
         weights = host_copy(model.state_dict())
-        optimizer_state = host_copy(optimizer.state_dict())
+        optimizer_state = None if weights_only else host_copy(optimizer.state_dict())
     rng = rng_state.clone()
 
     def write(
@@ -206,6 +211,10 @@ def deferred_save(
     ) -> Path:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if optimizer_state is None:
+            model.save_pretrained(out, state_dict=weights, safe_serialization=True)
+            write_tokenizer_files(tokenizer_files, tokenizer, out)
+            return out
         with ThreadPoolExecutor(1, thread_name_prefix="weights") as pool:  # beside the parts
             written = pool.submit(
                 model.save_pretrained, out, state_dict=weights, safe_serialization=True

@@ -101,13 +101,14 @@ def save_version(trainer: PolicyTrainer, local: Path, version: int) -> SavedVers
 
 
 def save_version_later(
-    trainer: PolicyTrainer, local: Path, version: int
+    trainer: PolicyTrainer, local: Path, version: int, *, weights_only: bool = False
 ) -> tuple[SavedVersion, Callable[[], None], dict[str, Any]] | None:
     """`save_version` in two halves: the trainer's state copied to host memory now, and
     a function that writes it under `local` later (off the trainer's critical path);
     also the copied weights (a state dict). None when the trainer can only save now
-    (`PolicyTrainer.save_later`)."""
-    write = trainer.save_later()
+    (`PolicyTrainer.save_later`). `weights_only`: the policy alone (a servable version
+    that is not to be durable): no trainer state is copied or written."""
+    write = trainer.save_later(weights_only=True) if weights_only else trainer.save_later()
     if write is None:
         return None
     saved = SavedVersion(local / "policy", local / "trainer_state")
@@ -115,6 +116,9 @@ def save_version_later(
     def finish() -> None:
         if local.exists():
             shutil.rmtree(local)
+        if weights_only:
+            write(saved.policy)
+            return
         write(saved.policy, state_dir=saved.trainer_state, extra={"policy_version": version})
 
     return saved, finish, write.weights  # type: ignore[attr-defined]

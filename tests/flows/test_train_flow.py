@@ -11,7 +11,9 @@ from sluice.infra.config import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import get_metric_history
+from sluice.tasks.run.metrics_file import metrics_file
 from sluice.tasks.run.paths import registered_model_name, run_paths
+from sluice.tasks.run.status import read_statuses
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides
 
 pytestmark = pytest.mark.flows
@@ -31,8 +33,8 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, "flowtest"))
     versions = [v.policy_version for v in registry.versions()]
     assert versions == [0, 1, 2, 3]
-    assert registry.latest().policy_version == 3
-    assert registry.latest().checkpoint_uri.endswith("/flowtest/checkpoints/v000003")
+    assert registry.newest_servable().policy_version == 3
+    assert registry.newest_servable().checkpoint_uri.endswith("/flowtest/checkpoints/v000003")
     assert "sluice.eval.reward" in registry.get(3).tags  # the final version was evaluated
 
     # Streams: every trained group came through rollouts -> scored, consumed once.
@@ -68,6 +70,31 @@ def test_train_flow_runs_roles_and_leaves_versions_metrics_shards_and_artifacts(
     state_s, policy_s = series("train/commit_state_s"), series("train/commit_policy_s")
     assert commit and sorted(commit) == sorted(state_s) == sorted(policy_s)
     assert all(max(state_s[step], policy_s[step]) <= commit[step] for step in commit)
+    # Where each role's time went (tasks/run/state_timer.py): each step's states add up
+    # to the step, each role's shares to its wall, within the cores, `other` under 5%.
+    lines = [json.loads(line) for line in metrics_file(config, "flowtest").read_text().splitlines()]
+    for line in lines:
+        parts = [
+            v
+            for k, v in line.items()
+            if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"
+        ]
+        assert sum(parts) == pytest.approx(line["time/step_s"], abs=1e-6)
+        assert line["time/cpu_over_cores"] == 0.0
+    statuses = read_statuses(config, run_paths(config, "flowtest"))
+    for role in ("rollout", "reward", "train"):
+        shares = {k: v for k, v in statuses[role].items() if k.endswith("_frac")}
+        assert sum(shares.values()) == pytest.approx(1.0), role
+        assert shares["time/other_frac"] <= 0.05, (role, shares)
+        assert statuses[role]["time/cpu_over_cores"] == 0.0, role
+    # The idle ratios the roles always reported agree with their timelines: the
+    # trainer's sleeps waiting for data are inside its `wait_data`, and the rollout's
+    # ratio is its `idle` share (an idle span still open at the end included).
+    train_wall = sum(line["time/step_s"] - line["time/start_s"] for line in lines)
+    waits = sum(line["time/wait_data_s"] for line in lines)
+    assert lines[-1]["train/idle_ratio"] <= waits / train_wall + 0.01
+    rollout = statuses["rollout"]
+    assert rollout["idle_ratio"] == pytest.approx(rollout["time/idle_frac"], abs=0.01)
     staleness = get_metric_history(config.tracking.uri, result["mlflow_run_id"], "staleness/max")
     assert all(value <= config.staleness.max_staleness for _, value in staleness)
     held_out = get_metric_history(config.tracking.uri, result["mlflow_run_id"], "eval/reward")
@@ -131,7 +158,7 @@ def test_resumed_run_continues_versions_and_mlflow_run_without_retraining(
 
     # A LoRA run publishes each version after 0 as its adapter, naming version 0 (kept
     # by retention) as its base; the resumed trainer went on from base + adapter.
-    newest = registry.latest()
+    newest = registry.newest_servable()
     base = registry.get(0)
     assert newest is not None and base is not None
     published = {f.name for f in read_manifest(newest.checkpoint_uri).files}

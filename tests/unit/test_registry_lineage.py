@@ -65,8 +65,8 @@ def test_a_durable_alias_never_moves_back_onto_an_older_durable_version(registry
 
 def test_skipped_versions_stay_servable_and_never_become_the_durable_one(registry, tmp_path):
     registry.commit(0, committed_checkpoint(tmp_path, 0, seed=7))
-    publish(registry, tmp_path, 1)
-    registry.mark_skipped(1, incarnation=1)
+    uri = committed_checkpoint(tmp_path, 1, seed=1001)
+    registry.commit(1, uri, incarnation=1, durable=False, pending=False)
     assert registry.get(1).durability == "skipped"
     assert registry.newest_servable().policy_version == 1
     assert registry.newest_durable().policy_version == 0

@@ -1,8 +1,8 @@
 """Retention of published versions (tasks/run/retention.py), on real files and a real
 sqlite MLflow: after each commit the newest `storage.keep_versions` versions, those an
 alias or a `sluice.keep` tag pins and those the evaluation schedule has yet to score
-keep their checkpoints; the others are tagged deleted, then deleted. Only the newest
-trainer state stays. A failed delete is a warning, retried after the next commit.
+keep their checkpoints; the others are tagged deleted, then deleted. The newest two
+trainer states stay. A failed delete is a warning, retried after the next commit.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_retention_keeps_newest_pinned_and_unevaluated_versions_and_deletes_the_
     # newest scored, 0): 3 and 6. Let go: 0 and 4.
     assert on_storage(config) == {f"v{v:06d}" for v in (1, 2, 3, 5, 6)}
     assert deleted_tags(role) == {0, 4}
-    assert on_storage(config, "trainer_state") == {"v000006"}
+    assert on_storage(config, "trainer_state") == {"v000005", "v000006"}
     # The consumed lists are the run's exactly-once record: every version keeps its own.
     assert [read_consumed(config, role.paths, v) for v in registry.versions()] == [
         [f"shard-{v}"] for v in range(7)
@@ -109,7 +109,7 @@ def test_the_version_a_run_restarted_from_stays_while_newer_ones_come_and_go(
     assert deleted_tags(role) == {0, 2}
 
 
-def test_keep_versions_zero_keeps_every_policy_but_only_the_newest_trainer_state(
+def test_keep_versions_zero_keeps_every_policy_but_only_the_newest_two_trainer_states(
     local_run_config, tmp_path
 ):
     from sluice.tasks.train import TrainRole
@@ -119,7 +119,7 @@ def test_keep_versions_zero_keeps_every_policy_but_only_the_newest_trainer_state
     for version in range(4):
         publish(role, tmp_path, version)
     assert on_storage(config) == {f"v{v:06d}" for v in range(4)}
-    assert on_storage(config, "trainer_state") == {"v000003"}
+    assert on_storage(config, "trainer_state") == {"v000002", "v000003"}
     assert deleted_tags(role) == set()
 
 
@@ -149,7 +149,7 @@ def test_a_failed_delete_never_stops_publishing_and_is_retried_after_the_next_co
     assert len(failures) == 2 and "cannot delete policy version 0" in caplog.text
     assert deleted_tags(role) == {0, 1}  # marked first: no reader picks them any more
     assert {"v000000", "v000001"} <= on_storage(config)
-    assert on_storage(config, "trainer_state") == {"v000003"}
+    assert on_storage(config, "trainer_state") == {"v000002", "v000003"}
 
     monkeypatch.setattr(retention, "delete_checkpoint", real)
     publish(role, tmp_path, 4)  # retries 0 and 1, lets 2 go

@@ -1,0 +1,165 @@
+"""Servable before durable (tasks/publisher.py): every published version is registered
+as soon as the servers can get it, every N-th one also becomes durable, shards are acked
+only once a durable version covers them, and a slow store makes versions skip
+durability instead of holding training up. Real trainer, sqlite MLflow, files, streams.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, verify_checkpoint
+from sluice.infra.config import RunConfig
+from sluice.infra.failpoints import ENV
+from sluice.infra.streams.reader import StreamReader
+from sluice.tasks.publisher import Publisher
+from sluice.tasks.run.versions import read_consumed
+
+from .test_publish_layout import batch, local_path, make_trainer, scored_shard, start_run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def config(local_run_config: Callable[..., RunConfig], tmp_path: Path) -> RunConfig:
+    return local_run_config(
+        tmp_path,
+        "checkpoint.every_versions=3",
+        "evaluation.every=0",
+        "trainer.total_steps=50",
+        "storage.keep_versions=0",
+    )
+
+
+def acked(config: RunConfig, shard) -> bool:
+    return StreamReader(config.storage.url, "run", "scored", consumer="trainer").is_acked(
+        shard.name
+    )
+
+
+def train_and_publish(role, trainer, versions, config):
+    shards = {}
+    for version in versions:
+        trainer.train_step(batch(trainer.model.config.vocab_size))
+        shards[version] = scored_shard(config, version)
+        role.publish(trainer, version, [shards[version]], {"reward_mean": "0.5"})
+    return shards
+
+
+def test_every_version_is_servable_and_every_third_durable_with_acks_after_it(config, tiny_dir):
+    role = start_run(config, tiny_dir)
+    trainer = make_trainer(tiny_dir)
+    shards = train_and_publish(role, trainer, [1, 2, 3, 4], config)
+    role.publisher.servable.wait()
+    role.publisher.durable.wait()
+
+    states = {v.policy_version: v.durability for v in role.registry.versions()}
+    assert states == {0: "true", 1: "skipped", 2: "skipped", 3: "true", 4: "skipped"}
+    assert role.registry.newest_servable().policy_version == 4
+    assert role.registry.newest_durable().policy_version == 3
+    # The disk path: a pending version's policy is on storage, its trainer state is not.
+    pending = role.registry.get(4)
+    assert verify_checkpoint(pending.checkpoint_uri)
+    with pytest.raises(CheckpointIncomplete):
+        read_manifest(role.paths.trainer_state(4))
+    assert read_manifest(role.paths.trainer_state(3)).files
+    # Durable v3's consumed list names everything trained since v0: v1..v3's shards.
+    assert read_consumed(config, role.paths, role.registry.get(3)) == [
+        shards[v].name for v in (1, 2, 3)
+    ]
+    role.publisher.ack_durable()
+    assert [acked(config, shards[v]) for v in (1, 2, 3, 4)] == [True, True, True, False]
+
+    # A clean stop makes the newest version durable and acks what it trained.
+    role.finish_publish(trainer, 4)
+    assert role.registry.newest_durable().policy_version == 4
+    assert role.registry.get(4).checkpoint_digest == read_manifest(pending.checkpoint_uri).digest
+    assert read_consumed(config, role.paths, role.registry.get(4)) == [shards[4].name]
+    assert acked(config, shards[4])
+    role.publisher.close()
+    role.publisher.stop_sender()
+
+
+def test_a_stop_after_unpublished_steps_keeps_the_newest_published_version_pending(
+    config, tiny_dir
+):
+    role = start_run(config, tiny_dir)
+    trainer = make_trainer(tiny_dir)
+    shards = train_and_publish(role, trainer, [1], config)
+    trainer.train_step(batch(trainer.model.config.vocab_size))  # a step never published
+    role.finish_publish(trainer, 2)  # its weights are not version 1's any more
+    assert role.registry.get(1).durability == "skipped"
+    assert not acked(config, shards[1])  # a resume trains it again from version 0
+    role.publisher.close()
+    role.publisher.stop_sender()
+
+
+def test_a_slow_store_makes_due_versions_skip_durability_instead_of_waiting(
+    config, tiny_dir, tmp_path, monkeypatch
+):
+    # The shared-memory path: the servers get versions from the sender, so only the
+    # durable writes touch the (slow) store.
+    config = config.model_copy(deep=True)
+    config.servers.weight_transfer = "shared_memory"
+    plan = tmp_path / "failpoints.json"
+    plan.write_text(json.dumps({"checkpoint.put_file": {"sleep_s": 1.0}}))
+    monkeypatch.setenv(ENV, str(plan))
+    role = start_run(config, tiny_dir)
+    role.publisher = Publisher(role, role.reader, role.local_root, 0)
+    role.publisher.start_sender()
+    trainer = make_trainer(tiny_dir)
+    stalls = {}
+    for version in range(1, 7):
+        trainer.train_step(batch(trainer.model.config.vocab_size))
+        started = time.monotonic()
+        role.publish(trainer, version, [scored_shard(config, version)], {})
+        stalls[version] = time.monotonic() - started
+    role.publisher.servable.wait()
+    role.publisher.durable.wait()
+
+    states = {v.policy_version: v.durability for v in role.registry.versions()}
+    # v3 became durable; v6 was due while v3's slow write still ran, so it skipped; the
+    # others were never due.
+    assert states[3] == "true" and all(states[v] == "skipped" for v in (1, 2, 4, 5, 6)), states
+    assert role.publisher.cadence.skipped == 1
+    # No publish waited for the store (each slow file sleeps 1 s).
+    assert max(stalls.values()) < 1.0, stalls
+    assert role.publisher.sender.get(6) is not None  # the servers can have the newest
+    fired = json.loads(plan.read_text())["fired"]
+    assert any(f["name"] == "checkpoint.put_file" for f in fired)
+    role.publisher.close()
+    role.publisher.stop_sender()
+
+
+def test_retention_lets_servable_only_versions_go_and_keeps_two_trainer_states(
+    local_run_config, tmp_path, tiny_dir
+):
+    config = local_run_config(
+        tmp_path,
+        "checkpoint.every_versions=3",
+        "evaluation.every=0",
+        "trainer.total_steps=50",
+        "storage.keep_versions=2",
+    )
+    role = start_run(config, tiny_dir)
+    trainer = make_trainer(tiny_dir)
+    train_and_publish(role, trainer, range(1, 8), config)
+    role.finish_publish(trainer, 7)  # v7 made durable at the stop: retention runs after it
+
+    versions = {v.policy_version: v for v in role.registry.versions()}
+    durable = sorted(k for k, v in versions.items() if v.durable)
+    assert durable == [0, 3, 6, 7]
+    # Kept: v0 (still to be scored), the newest two durable and the newest two versions.
+    deleted = sorted(k for k, v in versions.items() if v.deleted)
+    assert deleted == [1, 2, 3, 4, 5]
+    on_disk = {p.name for p in local_path(role.paths.checkpoints).iterdir()}
+    assert {"v000000", "v000006", "v000007"} <= on_disk
+    assert not on_disk & {f"v{k:06d}" for k in deleted}
+    states = {p.name for p in local_path(role.paths.trainer_states).iterdir()}
+    assert states == {"v000006", "v000007"}
+    role.publisher.close()
