@@ -25,47 +25,39 @@ import logging
 import os
 import time
 import uuid
-from functools import reduce
-from typing import Any
 
-from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
-from sluice.engines.inference.profile import StepProfile
+import pyarrow as pa
+
 from sluice.engines.rl.groups import (
-    group_index_of,
-    group_key,
     reissue_plan,
     resume_gate,
-    sample_seed,
 )
-from sluice.engines.rl.samples import group_rows
+from sluice.engines.rl.lineage import LostAfter
 from sluice.engines.rl.staleness import StalenessGate
-from sluice.engines.rl.trajectory import (
-    GROUP_ID,
-    TrajectoryRow,
-)
+from sluice.engines.rl.trajectory import POLICY_INCARNATION, TrajectoryRow
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving import protocol
 from sluice.infra.serving.client import (
     InferenceClient,
-    InferenceServerError,
     InferenceServerUnreachableError,
 )
-from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.infra.weight_transfer import servers_on_gpu, weight_transfer_path
 from sluice.tasks.process.inference_server import EmbeddedServer
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
+from sluice.tasks.rollout_groups import WrittenGroups, request_groups
 from sluice.tasks.rollout_refill import UninformativeGroups
+from sluice.tasks.rollout_sampling import GroupSampler
 from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.rollout_transfer import FastWeights
 from sluice.tasks.rollout_weights import ServedWeights
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, launched_server_urls
 from sluice.tasks.run.state_timer import OTHER
-from sluice.tasks.run.versions import serving_start, superseded
+from sluice.tasks.run.versions import lost_versions, serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
@@ -77,26 +69,6 @@ PROFILE_INTERVAL_S = 10.0
 PROFILE_READ_TIMEOUT_S = 5.0
 """Longest a read of the step costs may take: it is bookkeeping, and a server that does
 not answer must not hold the role (least of all while it stops)."""
-
-
-def committed_group_indices(reader: StreamReader) -> set[int]:
-    """Group indices already durable in the rollouts stream (what a restart must not redo)."""
-    indices: set[int] = set()
-    for ref in reader.committed():
-        table = reader.read(ref)
-        indices.update(group_index_of(g) for g in set(table.column(GROUP_ID).to_pylist()))
-    return indices
-
-
-def request_groups(
-    admitted: list[tuple[int, int]], one_request: bool, servers: int
-) -> list[list[tuple[int, int]]]:
-    """The requests the groups admitted together go out in: one per group, or (one
-    request a batch) one per server, contiguous runs of issue numbers."""
-    if not one_request or not admitted:
-        return [[group] for group in admitted]
-    size = -(-len(admitted) // max(1, min(servers, len(admitted))))  # ceil
-    return [admitted[i : i + size] for i in range(0, len(admitted), size)]
 
 
 class RolloutRole(Role):
@@ -136,9 +108,12 @@ class RolloutRole(Role):
             self.stop_server()
             raise
         self.current: CommittedVersion | None = None
-        self.episodes: EpisodeSpec | None = None  # multi-turn: set once the tokenizer is known
-        self.toolbox: ToolBox | None = None
-        self.shaping = Shaping(None)
+        self.lost: LostAfter = {}
+        """The registry's lost versions, as of the newest lineage reset seen."""
+        self.groups = WrittenGroups(self.stream_reader(ROLLOUTS, consumer="rollout-rebase"))
+        self.sampler = GroupSampler(
+            config, self.prompts, self.writer.writer_id, lambda: self.served_version
+        )
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -155,20 +130,22 @@ class RolloutRole(Role):
         try:
             asyncio.run(self.generate())
         finally:
-            if self.toolbox is not None:
-                self.toolbox.close()
+            if self.sampler.toolbox is not None:
+                self.sampler.toolbox.close()
             self.stop_server()
 
     # ------------------------------------------------------------ weights
 
-    async def maybe_update_weights(self, client: InferenceClient) -> None:
+    async def maybe_update_weights(self, client: InferenceClient) -> bool:
+        """Serve the newest servable version if it moved; returns whether the lineage was
+        reset (a new trainer incarnation, or the alias back on an older durable version
+        after a crash: the versions served since are lost)."""
         latest = await asyncio.to_thread(self.registry.newest_servable)
-        if (
-            latest is None
-            or self.current is None
-            or latest.policy_version <= self.current.policy_version
-        ):
-            return
+        if latest is None or self.current is None or latest.identity == self.current.identity:
+            return False
+        reset = latest.incarnation != self.current.incarnation or latest.identity < (
+            self.current.identity
+        )
         # The loop's time from here is the reload's, though the fetch overlaps generation.
         self.stats.timer.enter("reload")
         # Fetch before pausing: generation keeps running while the bytes move.
@@ -177,7 +154,7 @@ class RolloutRole(Role):
         except CheckpointIncomplete:
             if not await asyncio.to_thread(superseded, self.registry, latest):
                 raise
-            return  # retention let it go meanwhile: the next poll takes the newer one
+            return False  # retention let it go meanwhile: the next poll takes the newer one
         started = time.monotonic()
         if self.config.rollout.interruptible:
             await client.pause(self.config.rollout.pause_mode)
@@ -188,7 +165,7 @@ class RolloutRole(Role):
         else:  # wait-for-drain baseline: the server finishes in-flight requests first
             served = await self.weights.load(client, staged, latest)
         if not served:
-            return
+            return False
         self.stats.update_time_s += time.monotonic() - started
         self.stats.weight_updates += 1
         self.stats.commit_to_served_s.append(time.time() - latest.created_at_ms / 1000)
@@ -198,6 +175,40 @@ class RolloutRole(Role):
             time.monotonic() - started,
         )
         self.current = latest
+        return reset
+
+    async def after_reset(
+        self, gate: StalenessGate, next_index: int, flying: set[int]
+    ) -> list[int]:
+        """The trainer restarted behind what the servers held (docs/design.md §2): the
+        groups written with tokens of the versions it lost no longer count; the gate is
+        re-based on the version served now and every number below the high-water mark
+        that is neither written nor in flight goes again (a new attempt). Returns those
+        numbers, smallest first."""
+        assert self.current is not None
+        self.lost = lost_versions(await asyncio.to_thread(self.registry.versions))
+        await asyncio.to_thread(self.groups.scan, self.lost)
+        written, version = self.groups.written, self.current.policy_version
+        B = self.config.trainer.prompts_per_batch
+        gate.rebase(version, len(written), min(len(written), version * B))
+        dropped = self.groups.dropped - flying
+        self.stats.groups_lineage_dropped += len(dropped)
+        log.warning(
+            "the trainer restarted from %s: %d written groups hold tokens of versions it "
+            "lost and go again; groups in flight on the old weights are dropped as they end",
+            self.current.name,
+            len(dropped),
+        )
+        return sorted(set(range(next_index)) - written - flying)
+
+    def holds_lost_tokens(self, rows: list[TrajectoryRow], incarnation: int) -> bool:
+        """Whether a finished group must go again: it started on another trainer
+        incarnation's weights than the servers hold now, or holds a token of a version
+        that incarnation lost."""
+        if self.current is not None and incarnation != self.current.incarnation:
+            return True
+        after = self.lost.get(incarnation)
+        return after is not None and any(row.version_end > after for row in rows)
 
     def start_fast_path(self, client: InferenceClient) -> None:
         """Full versions take `servers.weight_transfer`'s path from now on (not disk)."""
@@ -217,96 +228,23 @@ class RolloutRole(Role):
         """The policy version the servers hold now (0 before the first is known)."""
         return self.current.policy_version if self.current else 0
 
-    def sampling(self, index: int) -> dict[str, Any]:
-        """The sampling params of prompt group `index`: its seed is the synchronous loop's
-        for the same group (sample j of n = G draws with seed + j, Sluice's server rule),
-        so at eta = 0 both sample the same tokens. SGLang reads `sampling_seed` only under
-        --enable-deterministic-inference, and then gives all n samples that one seed."""
-        cfg = self.config.rollout
-        return {
-            "max_new_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature,
-            "top_p": cfg.top_p,
-            "top_k": cfg.top_k,
-            "stop_token_ids": list(self.prompts.stop_token_ids),
-            "sampling_seed": sample_seed(self.config.seed, index, 0),
-        }
-
-    async def generate_group(self, client: InferenceClient, index: int) -> list[TrajectoryRow]:
-        row, prompt_ids = self.prompts.train_prompt(index, self.served_version)
-        sampling = self.sampling(index)
-        if self.episodes is not None:
-            # A turn is a request of its own: one seed for every turn would draw each
-            # turn's tokens from the same uniforms, so episodes sample unseeded.
-            del sampling["sampling_seed"]
-            return await self.generate_episodes(client, index, row, prompt_ids, sampling)
-        results = await client.generate_group(prompt_ids, self.config.rollout.group_size, sampling)
-        worker, served = self.writer.writer_id, self.served_version
-        return group_rows(index, row, prompt_ids, results, worker, version_if_empty=served)
-
     async def generate_groups(
         self, client: InferenceClient, indices: list[int]
     ) -> list[list[TrajectoryRow]]:
-        """The rows of prompt groups `indices` (one list per group), sampled in one request:
-        a server schedules them as the synchronous loop's engine schedules a batch."""
-        if len(indices) == 1:
-            return [await self.generate_group(client, indices[0])]
-        prompts = [self.prompts.train_prompt(i, self.served_version) for i in indices]
-        results = await client.generate_groups(
-            [ids for _, ids in prompts],
-            self.config.rollout.group_size,
-            [self.sampling(i) for i in indices],
-        )
-        worker, served = self.writer.writer_id, self.served_version
-        return [
-            group_rows(index, row, ids, group, worker, version_if_empty=served)
-            for index, (row, ids), group in zip(indices, prompts, results, strict=True)
-        ]
+        """The rows of prompt groups `indices`, one list per group, in one request."""
+        return await self.sampler.groups(client, indices)
 
-    async def generate_episodes(
-        self,
-        client: InferenceClient,
-        index: int,
-        row: dict[str, Any],
-        prompt_ids: list[int],
-        sampling: dict[str, Any],
-    ) -> list[TrajectoryRow]:
-        """G multi-turn episodes of one prompt; each turn is one generate call that also
-        stops at the call's closing token."""
-        assert self.episodes is not None and self.toolbox is not None
-        spec, tokenizer = self.episodes, self.prompts.tokenizer
-        assert tokenizer is not None
-
-        def sample(_j: int) -> Generate:
-            async def turn(input_ids: list[int], max_new_tokens: int) -> Any:
-                params = {
-                    **sampling,
-                    "max_new_tokens": max_new_tokens,
-                    "stop_token_ids": [*sampling["stop_token_ids"], spec.close_token_id],
-                }
-                return await client.generate(input_ids, params)
-
-            return turn
-
-        episodes = await run_group(
-            prompt_ids,
-            self.config.rollout.group_size,
-            spec,
-            sample,
-            self.toolbox,
-            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
-            lambda ids: str(tokenizer.decode(ids)),
-        )
-        shaping = [self.shaping(episode) for episode in episodes]
-        worker, served = self.writer.writer_id, self.served_version
-        return group_rows(
-            index, row, prompt_ids, episodes, worker,
-            shaping_rewards=shaping, version_if_empty=served,
-        )  # fmt: skip
-
-    def write_group(self, index: int, rows: list[TrajectoryRow]) -> None:
+    def write_group(self, index: int, rows: list[TrajectoryRow], incarnation: int) -> None:
+        """Write group `index`, sampled by versions of trainer `incarnation` only."""
         table = table_from_rows(rows, stream=ROLLOUTS)
-        self.writer.write(table, shard_key=group_key(index))
+        column = table.schema.get_field_index(POLICY_INCARNATION)
+        table = table.set_column(
+            column,
+            table.schema.field(column),
+            pa.array([incarnation] * table.num_rows, pa.int32()),
+        )
+        self.writer.write(table, shard_key=self.groups.key(index))
+        self.groups.wrote(index)
         self.stats.record_group(rows)
 
     # ------------------------------------------------------------ main loop
@@ -321,11 +259,11 @@ class RolloutRole(Role):
         tokenizer = self.prompts.use_policy(local).tokenizer
         assert tokenizer is not None
         if cfg.episode.tools:
-            self.episodes = episode_spec(cfg, tokenizer)
-            self.toolbox = ToolBox(
+            self.sampler.episodes = episode_spec(cfg, tokenizer)
+            self.sampler.toolbox = ToolBox(
                 cfg.episode.tools, cfg.episode.tool_timeout_s, cfg.episode.tool_workers
             )
-            self.shaping = Shaping(cfg.episode.shaping)
+            self.sampler.shaping = Shaping(cfg.episode.shaping)
         early = self.server
         if early is not None and early.weight_version != self.current.policy_version:
             # Started from the flow's start document; the registry moved on since.
@@ -375,7 +313,9 @@ class RolloutRole(Role):
 
     async def _loop(self, client: InferenceClient) -> None:
         cfg = self.config
-        written = committed_group_indices(self.stream_reader(ROLLOUTS, consumer="rollout-rebase"))
+        self.lost = lost_versions(await asyncio.to_thread(self.registry.versions))
+        await asyncio.to_thread(self.groups.scan, self.lost)
+        written = self.groups.written
         next_index, reissue = reissue_plan(written)
         # Re-based from durable state, so a restart never bursts past the bound.
         gate = resume_gate(
@@ -397,11 +337,13 @@ class RolloutRole(Role):
         # eta = 0 (`mode: on_policy`): the trainer waits for the whole batch anyway, so the
         # groups admitted together go out together, one request per server; with one
         # server a batch is one request, computed as the synchronous loop computes it.
-        one_request = cfg.staleness.max_staleness == 0 and self.episodes is None
+        one_request = cfg.staleness.max_staleness == 0 and self.sampler.episodes is None
         if one_request:
             max_in_flight = max(max_in_flight, cfg.trainer.prompts_per_batch)
         # Each request: the (issue number, gate ticket) of the groups it samples.
         in_flight: dict[asyncio.Task[list[list[TrajectoryRow]]], list[tuple[int, int]]] = {}
+        started_in: dict[asyncio.Task[list[list[TrajectoryRow]]], int] = {}
+        """The trainer incarnation whose weights each request started on."""
         last_poll = last_profile = 0.0
         while not self.control.should_stop():
             self.stats.timer.enter(OTHER)  # polls and bookkeeping, until a state is named
@@ -410,7 +352,9 @@ class RolloutRole(Role):
                 last_poll = now
                 self.stats.timer.enter("poll")  # `reload` once a newer version is found
                 try:
-                    await self.maybe_update_weights(client)
+                    if await self.maybe_update_weights(client):
+                        flying = {i for groups in in_flight.values() for i, _ in groups}
+                        reissue = await self.after_reset(gate, next_index, flying)
                 except InferenceServerUnreachableError as exc:
                     await self.recover_servers(client, exc)
                 self.stats.timer.enter("poll")
@@ -436,6 +380,7 @@ class RolloutRole(Role):
             for groups in request_groups(admitted, one_request, len(client.base_urls)):
                 task = asyncio.create_task(self.generate_groups(client, [i for i, _ in groups]))
                 in_flight[task] = groups
+                started_in[task] = self.current.incarnation if self.current else 0
             if not in_flight:
                 self.stats.timer.enter("idle")
                 await asyncio.sleep(0.05)
@@ -447,16 +392,21 @@ class RolloutRole(Role):
             )
             self.stats.timer.enter(OTHER)
             lost: InferenceServerUnreachableError | None = None
-            outcomes: list[tuple[int, int, list[TrajectoryRow] | None]] = []
+            outcomes: list[tuple[int, int, list[TrajectoryRow] | None, int]] = []
             for task in finished:
-                groups = in_flight.pop(task)
+                groups, incarnation = in_flight.pop(task), started_in.pop(task)
                 results: list[list[TrajectoryRow] | None] = [None] * len(groups)
                 try:
                     results = list(task.result())
                 except InferenceServerUnreachableError as exc:
                     lost = exc  # its server went away: its groups go again, like an abort
-                outcomes += [(i, t, rows) for (i, t), rows in zip(groups, results, strict=True)]
-            for index, ticket, rows in outcomes:
+                outcomes += [
+                    (i, t, rows, incarnation) for (i, t), rows in zip(groups, results, strict=True)
+                ]
+            for index, ticket, rows, incarnation in outcomes:
+                if rows is not None and self.holds_lost_tokens(rows, incarnation):
+                    self.stats.groups_lineage_dropped += 1
+                    rows = None  # sampled partly by lost weights: it goes again
                 if rows is None or any(r.finish_reason == "abort" for r in rows):
                     gate.abandon(ticket)  # aborted by a weight update: free the slot, ask again
                     # Kept sorted: the smallest issue number goes first, so every group's
@@ -465,7 +415,7 @@ class RolloutRole(Role):
                     bisect.insort(reissue, index)
                     continue
                 with self.stats.timer.state("write"):
-                    await asyncio.to_thread(self.write_group, index, rows)
+                    await asyncio.to_thread(self.write_group, index, rows, incarnation)
                 gate.finish(ticket)
             if lost is not None:
                 await self.recover_servers(client, lost)
@@ -476,27 +426,7 @@ class RolloutRole(Role):
         self.status.update(force=True, state="stopped", **self.stats.as_status())
 
     async def read_profiles(self, client: InferenceClient) -> None:
-        """Keep the servers' measured step costs and peak memory for the run's status
-        (best effort: a server that does not answer now is read next time)."""
-        try:
-            states = await asyncio.wait_for(client.server_states(), PROFILE_READ_TIMEOUT_S)
-        except (InferenceServerError, ValueError, TimeoutError) as exc:
-            log.debug("server states not read: %s", exc or type(exc).__name__)
-            return
-        profiles = [
-            StepProfile.from_dict(s["step_profile"])
-            for s in states.values()
-            if isinstance(s.get("step_profile"), dict)
-        ]
-        if profiles:
-            self.stats.engine_profile = reduce(StepProfile.merged, profiles).as_dict()
-        peaks = [
-            s["peak_rss_mb"]
-            for s in states.values()
-            if isinstance(s.get("peak_rss_mb"), float | int)
-        ]
-        if peaks:
-            self.stats.server_peak_rss_mb = max([self.stats.server_peak_rss_mb or 0.0, *peaks])
+        await self.stats.read_servers(client, PROFILE_READ_TIMEOUT_S)
 
     async def recover_servers(
         self, client: InferenceClient, error: InferenceServerUnreachableError
@@ -528,6 +458,8 @@ class RolloutRole(Role):
         stale = [url for url, answer in info.items() if answer.get("weight_version") != served]
         if self.weights.fast is not None:  # a restarted server left the weight group
             await self.weights.fast.drop_group(client)
+        if stale and self.current is not None and not self.current.durable:
+            raise error  # its weights are in the sender only: restart from a durable one
         if stale and self.current is not None:
             staged = await self.weights.stage_files(self.current)
             await self.weights.load(client, staged, self.current, urls=stale)
@@ -544,6 +476,6 @@ class RolloutRole(Role):
             groups_in_flight=gate.in_flight,
             prompts_skipped_too_long=self.prompts.skipped_too_long,
             prompts_skipped_by_curriculum=self.prompts.skipped_by_curriculum,
-            shaping_failures=self.shaping.failures,
+            shaping_failures=self.sampler.shaping.failures,
             **self.stats.as_status(),
         )

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
+from sluice.engines.inference.profile import StepProfile
 from sluice.engines.rl.samples import version_span
 from sluice.engines.rl.trajectory import (
     LOSS_MASK,
@@ -18,7 +22,10 @@ from sluice.engines.rl.trajectory import (
     TOOL_TIMEOUTS,
     TURNS,
 )
+from sluice.infra.serving.client import InferenceClient, InferenceServerError
 from sluice.tasks.run.state_timer import StateTimer
+
+log = logging.getLogger("sluice.rollout")
 
 ROLLOUT_STATES = ("start", "generate", "poll", "reload", "idle", "write")
 """Where the rollout role's loop spends its time (tasks/run/state_timer.py): its setup
@@ -47,6 +54,8 @@ class RolloutStats:
     partial_samples: int = 0
     groups_refilled: int = 0
     """Dynamic sampling: slots given back for groups scored with all rewards equal."""
+    groups_lineage_dropped: int = 0
+    """Groups that held tokens of versions a trainer restart lost: issued again."""
     max_version_span: int = 0
     server_recoveries: int = 0
     episode_turns: int = 0
@@ -101,6 +110,7 @@ class RolloutStats:
             "weight_fallbacks": self.weight_fallbacks,
             "partial_rollout_ratio": self.partial_samples / max(1, self.samples_written),
             "groups_refilled": self.groups_refilled,
+            "groups_lineage_dropped": self.groups_lineage_dropped,
             "max_version_span": self.max_version_span,
             "server_recoveries": self.server_recoveries,
             **(self.episode_status() if self.episode_turns else {}),
@@ -117,3 +127,26 @@ class RolloutStats:
             "tool_timeouts": self.tool_timeouts,
             "observation_tokens": self.observation_tokens,
         }
+
+    async def read_servers(self, client: InferenceClient, timeout_s: float) -> None:
+        """Keep the servers' measured step costs and peak memory for the run's status
+        (best effort: a server that does not answer now is read next time)."""
+        try:
+            states = await asyncio.wait_for(client.server_states(), timeout_s)
+        except (InferenceServerError, ValueError, TimeoutError) as exc:
+            log.debug("server states not read: %s", exc or type(exc).__name__)
+            return
+        profiles = [
+            StepProfile.from_dict(s["step_profile"])
+            for s in states.values()
+            if isinstance(s.get("step_profile"), dict)
+        ]
+        if profiles:
+            self.engine_profile = reduce(StepProfile.merged, profiles).as_dict()
+        peaks = [
+            s["peak_rss_mb"]
+            for s in states.values()
+            if isinstance(s.get("peak_rss_mb"), float | int)
+        ]
+        if peaks:
+            self.server_peak_rss_mb = max([self.server_peak_rss_mb or 0.0, *peaks])

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 import pyarrow as pa
 
 from sluice.engines.rl.groups import GroupBuffer, group_key
+from sluice.engines.rl.lineage import lost_groups as lineage_lost_groups
 from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
@@ -108,6 +109,8 @@ class TrainRole(TrainingRole):
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-metrics")
         self.watch = StepWatch(config, mlflow_run_id)
+        self.lineage_dropped = 0
+        """Groups dropped for holding tokens of versions a crash lost."""
         self.publisher: Publisher | None = None
         """Set once the start version is known (`start_version`)."""
         self.timer = StateTimer(TRAIN_STATES, initial="start")
@@ -149,6 +152,11 @@ class TrainRole(TrainingRole):
         lost: list[int] = []
 
         def file_shard(ref: ShardRef, table: pa.Table) -> None:
+            dropped = lineage_lost_groups(table, self.lost)
+            if dropped:  # tokens of versions a crash lost: the rollout issues them again
+                self.lineage_dropped += len(dropped)
+                self.reader.ack([ref], meta={"lineage_dropped": sorted(dropped)})
+                return
             for warning in self.buffer.add(ref, table, step):
                 log.warning("%s", warning)
 
@@ -297,6 +305,7 @@ class TrainRole(TrainingRole):
                 stats.update(staleness_stats(table, version))
                 stats.update(staleness_counts(table, version, cfg.staleness.max_staleness))
             stats["train/lost_groups"] = float(len(lost))
+            stats["train/lineage_dropped_groups"] = float(self.lineage_dropped)
             if self.buffer.refill:  # the cost of keeping B informative groups per batch
                 extra_total += self.buffer.last_dropped
                 stats["dynamic_sampling/drawn_groups"] = float(self.buffer.last_drawn)

@@ -25,6 +25,7 @@ import numpy as np
 
 from sluice.engines.policy.adapter import is_adapter_dir
 from sluice.engines.rl.advantages import AdvantageFn, make_advantage_fn
+from sluice.engines.rl.lineage import LostAfter
 from sluice.engines.rl.reward_shaping import overlong_penalty
 from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
@@ -43,6 +44,7 @@ from sluice.tasks.run.versions import (
     SavedVersion,
     base_reference,
     fetch_training_dir,
+    lost_versions,
     write_base_reference,
     write_consumed,
 )
@@ -137,6 +139,9 @@ class TrainingRole(Role):
     lease: StorageLease | None = None
     incarnation: int = 0
     """This trainer's incarnation r (`claim_incarnation`), in every version it publishes."""
+    lost: LostAfter = {}
+    """The versions earlier incarnations served and lost: samples holding their tokens
+    are dropped (`engines.rl.lineage`)."""
     system_metrics: SystemMetrics | None = None
     _retention: Retention | None = None
     _base_reference: dict[str, Any] | None = None
@@ -186,12 +191,20 @@ class TrainingRole(Role):
         durable = self.registry.sync_alias() or first
         self.incarnation = self.claim_incarnation()
         lost = self.registry.reset_lineage(durable)
+        self.lost = lost_versions(self.registry.versions())
         if lost:
+            cfg = self.config
+            bound = cfg.checkpoint.every_versions + cfg.staleness.max_staleness
             log.warning(
-                "resumed from %s; %s were served, not durable: %d steps are retrained",
+                "resumed from %s (incarnation %d); %s to %s were served, not durable: %d "
+                "steps are retrained, and the groups holding their tokens regenerated "
+                "(at most (N + eta) x B = %d)",
                 durable.name,
-                ", ".join(v.name for v in lost),
+                self.incarnation,
+                lost[0].name,
+                lost[-1].name,
                 max(v.policy_version for v in lost) - durable.policy_version,
+                bound * cfg.trainer.prompts_per_batch,
             )
         return durable
 

@@ -48,6 +48,7 @@ TASK = "task"
 WORKER = "worker"
 CREATED_AT = "created_at"
 LOSS_MASK = "loss_mask"
+POLICY_INCARNATION = "policy_incarnation"
 PROMPT = "prompt"
 ANSWER = "answer"
 ROW_JSON = "row_json"
@@ -122,6 +123,10 @@ class TrajectoryRow(Mapping[str, Any]):
     created_at: datetime.datetime = field(default_factory=_now_utc)
     loss_mask: list[int] | None = None
     """Per response token, 1 = trained, 0 = an observation; None: every token trained."""
+    policy_incarnation: int | None = None
+    """The trainer incarnation r whose versions generated every token (`token_versions`
+    are steps k of it: a group never spans two incarnations). None: written before
+    incarnations (read as any)."""
     prompt: str
     answer: str
     """The reference answer, as the dataset row holds it."""

@@ -8,13 +8,10 @@ therefore sends only fields SGLang 0.5.x defines (``input_ids``,
 ``sluice.infra.serving.protocol`` states both.
 
 Per-token policy versions come from ``meta_info.weight_versions`` (half-open
-``[start, end)`` spans over output tokens). SGLang labels versions with
-strings: a server started without ``--weight-version`` reports ``"default"``,
-read here as ``default_weight_version``; any other non-integer label is an
-error rather than a guess.
-
-Requests go to the server with the fewest requests in flight from this
-client, ties broken round-robin.
+``[start, end)`` spans over output tokens). A server started without
+``--weight-version`` reports ``"default"``, read as ``default_weight_version``; any
+other non-integer label is an error rather than a guess. Requests go to the server
+with the fewest requests in flight from this client, ties broken round-robin.
 """
 
 from __future__ import annotations
@@ -27,30 +24,12 @@ from typing import Any
 import httpx
 
 from sluice.infra.serving import protocol
+from sluice.infra.serving.errors import (  # noqa: F401  (importable from here as before)
+    InferenceServerError,
+    InferenceServerUnreachableError,
+    error_message,
+)
 from sluice.infra.serving.protocol import GenerateResponse, PauseMode
-
-
-class InferenceServerError(RuntimeError):
-    """An inference server answered with an error or an unusable response."""
-
-    def __init__(self, url: str, message: str, status_code: int | None = None) -> None:
-        super().__init__(message)
-        self.url = url
-        """Base URL of the server that failed."""
-        self.status_code = status_code
-        """HTTP status of the answer, when there was one."""
-
-
-class InferenceServerUnreachableError(InferenceServerError):
-    """No connection could be made to an inference server (or it timed out)."""
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    return protocol.error_message(body)
 
 
 class InferenceClient:
@@ -64,21 +43,15 @@ class InferenceClient:
         default_weight_version: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """
-        Args:
-            base_urls: server roots such as ``http://10.0.0.5:30000`` (at least one).
-            timeout_s: per-request timeout; generation of long responses can take minutes.
-            default_weight_version: policy version meant by SGLang's ``"default"`` label.
-            transport: optional httpx transport (e.g. to route through a proxy in tests).
-        """
+        """`base_urls`: server roots such as ``http://10.0.0.5:30000`` (at least one);
+        `timeout_s`: per request (long responses take minutes); `default_weight_version`:
+        the version SGLang's ``"default"`` label means; `transport`: an httpx transport."""
         urls = [u.rstrip("/") for u in base_urls]
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(
-                    f"inference server URL {url!r} must start with http:// or https://"
-                )
+        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"inference server URL {bad[0]!r} must start with http:// or https://")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.base_urls = urls
@@ -153,7 +126,7 @@ class InferenceClient:
         if not response.is_success:
             raise InferenceServerError(
                 url,
-                f"inference server {url} answered {path} with HTTP {response.status_code}: {_error_message(response)}",
+                f"inference server {url} answered {path} with HTTP {response.status_code}: {error_message(response)}",
                 status_code=response.status_code,
             )
         if not response.content:

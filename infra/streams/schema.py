@@ -24,6 +24,7 @@ from sluice.engines.rl.trajectory import (
     BEHAVIOUR_LOGPROBS,
     CREATED_AT,
     LOSS_MASK,
+    POLICY_INCARNATION,
     RESPONSE_TOKEN_IDS,
     REWARD,
     TOKEN_VERSIONS,
@@ -33,14 +34,15 @@ from sluice.engines.rl.trajectory import (
 )
 from sluice.infra.streams.errors import SchemaError
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 """Version of the trajectory row layout; bump it when a core column is added or changes
 meaning or type. 1: single-turn responses. 2: adds ``loss_mask`` (multi-turn episodes,
-whose tool observations sit among the response tokens but are never trained)."""
-READABLE_VERSIONS = ("1", "2")
+whose tool observations sit among the response tokens but are never trained). 3: adds
+``policy_incarnation`` (the trainer incarnation whose versions generated the row)."""
+READABLE_VERSIONS = ("1", "2", "3")
 """Layouts a reader accepts; an older shard is read as the current layout
 (``upgrade_table``), so shards written before an upgrade are still consumed."""
-ADDED_IN: dict[str, str] = {LOSS_MASK: "2"}
+ADDED_IN: dict[str, str] = {LOSS_MASK: "2", POLICY_INCARNATION: "3"}
 """Core columns that a layout before the named version does not have."""
 SCHEMA_VERSION_KEY = b"sluice.schema_version"
 STREAM_KEY = b"sluice.stream"
@@ -66,6 +68,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         # Per response token, 1 = trained, 0 = not (a tool's observation tokens). Null:
         # every token is trained (single-turn responses store nothing).
         pa.field("loss_mask", pa.list_(pa.uint8()), nullable=True),
+        # The trainer incarnation whose versions generated the tokens (design §2). Null:
+        # written before incarnations.
+        pa.field("policy_incarnation", pa.int32(), nullable=True),
     ],
     metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -275,7 +280,7 @@ def flat_list_column(table: pa.Table, column: str = "response_token_ids") -> Fla
     )
 
 
-_DERIVABLE = {REWARD, CREATED_AT, VERSION_START, VERSION_END, LOSS_MASK}
+_DERIVABLE = {REWARD, CREATED_AT, VERSION_START, VERSION_END, LOSS_MASK, POLICY_INCARNATION}
 
 
 def _now_ms_utc() -> np.datetime64:
@@ -336,8 +341,9 @@ def table_from_arrays(columns: Mapping[str, Any], *, stream: str | None = None) 
         raise SchemaError(f"columns have {wrong} rows but 'sample_id' has {num_rows}")
     if REWARD not in arrays:
         arrays[REWARD] = pa.nulls(num_rows, type=pa.float32())
-    if LOSS_MASK not in arrays:
-        arrays[LOSS_MASK] = pa.nulls(num_rows, type=TRAJECTORY_SCHEMA.field(LOSS_MASK).type)
+    for optional in (LOSS_MASK, POLICY_INCARNATION):
+        if optional not in arrays:
+            arrays[optional] = pa.nulls(num_rows, type=TRAJECTORY_SCHEMA.field(optional).type)
     if CREATED_AT not in arrays:
         arrays[CREATED_AT] = pa.array(
             np.full(num_rows, _now_ms_utc()), type=pa.timestamp("ms", tz="UTC")
@@ -394,6 +400,7 @@ def table_from_rows(rows: Sequence[Mapping[str, Any]], *, stream: str | None = N
         complete = dict(row)
         complete.setdefault(REWARD, None)
         complete.setdefault(LOSS_MASK, None)
+        complete.setdefault(POLICY_INCARNATION, None)
         complete.setdefault(CREATED_AT, now)
         if VERSION_START not in row or VERSION_END not in row:
             bounds = version_bounds(list(row[TOKEN_VERSIONS]))

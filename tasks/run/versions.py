@@ -33,7 +33,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from sluice.engines.policy.adapter import (
     is_adapter_dir,
     merge_adapter_dir,
 )
+from sluice.engines.rl.lineage import LostAfter, lost_after
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.trainer_files import (
     ADAPTER_DIR,
@@ -368,3 +369,9 @@ def fetch_reference(
         keep_latest=1,
         select=is_policy_file,
     )
+
+
+def lost_versions(versions: Iterable[CommittedVersion]) -> LostAfter:
+    """The registry's lost versions as `LostAfter` (empty when no trainer ever restarted
+    from behind a served version)."""
+    return lost_after((v.incarnation, v.policy_version) for v in versions if v.lost)
