@@ -350,7 +350,7 @@ class CheckpointRegistry:
         """Start a new incarnation from `durable`, the newest durable version: every
         version after it (all of them not durable) is tagged ``lost``, and the servable
         alias moves back onto `durable` (the one backwards move the aliases make).
-        Returns the versions marked lost, oldest first. Idempotent."""
+        Returns the versions it marked lost (not those lost before), oldest first."""
         if not durable.durable:
             raise ValueError(f"policy version {durable.name} is not durable")
         after = [c for c in self.versions() if c.identity > durable.identity]
@@ -364,7 +364,7 @@ class CheckpointRegistry:
         for committed in after:
             if not committed.lost:
                 self._tag(committed, TAG_DURABLE, LOST)
-            lost.append(committed)
+                lost.append(committed)
         current, _ = self._aliased()
         if current is None or current.identity != durable.identity:
             self._set_alias(self.mlflow_alias, durable)

@@ -141,10 +141,12 @@ class RolloutRole(Role):
         reset (a new trainer incarnation, or the alias back on an older durable version
         after a crash: the versions served since are lost)."""
         latest = await asyncio.to_thread(self.registry.newest_servable)
-        if latest is None or self.current is None or latest.identity == self.current.identity:
+        current = self.current
+        if latest is None or current is None or latest.identity == current.identity:
             return False
-        reset = latest.incarnation != self.current.incarnation or latest.identity < (
-            self.current.identity
+        reset = latest.identity < current.identity or (
+            latest.incarnation != current.incarnation
+            and await asyncio.to_thread(self.was_lost, current)
         )
         # The loop's time from here is the reload's, though the fetch overlaps generation.
         self.stats.timer.enter("reload")
@@ -192,7 +194,7 @@ class RolloutRole(Role):
         B = self.config.trainer.prompts_per_batch
         gate.rebase(version, len(written), min(len(written), version * B))
         dropped = self.groups.dropped - flying
-        self.stats.groups_lineage_dropped += len(dropped)
+        self.stats.groups_lineage_dropped = self.groups.lost_shards
         log.warning(
             "the trainer restarted from %s: %d written groups hold tokens of versions it "
             "lost and go again; groups in flight on the old weights are dropped as they end",
@@ -201,11 +203,19 @@ class RolloutRole(Role):
         )
         return sorted(set(range(next_index)) - written - flying)
 
+    def was_lost(self, version: CommittedVersion) -> bool:
+        """Whether the registry now marks `version` lost (a trainer restarted behind it)."""
+        now = self.registry.get(version.policy_version, incarnation=version.incarnation)
+        return now is not None and now.lost
+
     def holds_lost_tokens(self, rows: list[TrajectoryRow], incarnation: int) -> bool:
         """Whether a finished group must go again: it started on another trainer
-        incarnation's weights than the servers hold now, or holds a token of a version
-        that incarnation lost."""
-        if self.current is not None and incarnation != self.current.incarnation:
+        incarnation's weights than the servers hold now (its tokens would be named by
+        one incarnation; version 0, the run's initial weights, is never lost), or holds
+        a token of a version that incarnation lost."""
+        if incarnation < 0 or (
+            self.current is not None and incarnation not in (0, self.current.incarnation)
+        ):
             return True
         after = self.lost.get(incarnation)
         return after is not None and any(row.version_end > after for row in rows)
@@ -315,6 +325,7 @@ class RolloutRole(Role):
         cfg = self.config
         self.lost = lost_versions(await asyncio.to_thread(self.registry.versions))
         await asyncio.to_thread(self.groups.scan, self.lost)
+        self.stats.groups_lineage_dropped = self.groups.lost_shards
         written = self.groups.written
         next_index, reissue = reissue_plan(written)
         # Re-based from durable state, so a restart never bursts past the bound.
@@ -344,6 +355,8 @@ class RolloutRole(Role):
         in_flight: dict[asyncio.Task[list[list[TrajectoryRow]]], list[tuple[int, int]]] = {}
         started_in: dict[asyncio.Task[list[list[TrajectoryRow]]], int] = {}
         """The trainer incarnation whose weights each request started on."""
+        tainted: set[asyncio.Task[list[list[TrajectoryRow]]]] = set()
+        """Requests in flight when the lineage was reset."""
         last_poll = last_profile = 0.0
         while not self.control.should_stop():
             self.stats.timer.enter(OTHER)  # polls and bookkeeping, until a state is named
@@ -355,6 +368,7 @@ class RolloutRole(Role):
                     if await self.maybe_update_weights(client):
                         flying = {i for groups in in_flight.values() for i, _ in groups}
                         reissue = await self.after_reset(gate, next_index, flying)
+                        tainted.update(in_flight)  # they ran on lost weights: dropped
                 except InferenceServerUnreachableError as exc:
                     await self.recover_servers(client, exc)
                 self.stats.timer.enter("poll")
@@ -395,6 +409,9 @@ class RolloutRole(Role):
             outcomes: list[tuple[int, int, list[TrajectoryRow] | None, int]] = []
             for task in finished:
                 groups, incarnation = in_flight.pop(task), started_in.pop(task)
+                if task in tainted:
+                    tainted.discard(task)
+                    incarnation = -1  # matches no incarnation: its groups go again
                 results: list[list[TrajectoryRow] | None] = [None] * len(groups)
                 try:
                     results = list(task.result())
@@ -414,6 +431,8 @@ class RolloutRole(Role):
                     # never trains it more than eta versions late.
                     bisect.insort(reissue, index)
                     continue
+                if incarnation == 0 and self.current is not None:  # began on version 0
+                    incarnation = self.current.incarnation
                 with self.stats.timer.state("write"):
                     await asyncio.to_thread(self.write_group, index, rows, incarnation)
                 gate.finish(ticket)

@@ -28,10 +28,12 @@ class WrittenGroups:
         """Numbers with a shard that holds no token of a lost version."""
         self.attempts: dict[int, int] = {}
         """Shards written per number, lost ones included (the next attempt's number)."""
+        self.lost_shards = 0
+        """Groups in the stream that hold tokens of lost versions (as of `scan`)."""
 
     def scan(self, lost: LostAfter) -> None:
         """Read every committed shard again (a restart, or a lineage reset: rare)."""
-        self.written, self.attempts = set(), {}
+        self.written, self.attempts, self.lost_shards = set(), {}, 0
         for ref in self.reader.committed():
             table = self.reader.read(ref)
             ids = table.column(GROUP_ID).to_pylist()
@@ -39,7 +41,9 @@ class WrittenGroups:
             for group_id in set(ids):
                 index = group_index_of(group_id)
                 self.attempts[index] = self.attempts.get(index, 0) + 1
-                if not bad[np.array([g == group_id for g in ids])].any():
+                if bad[np.array([g == group_id for g in ids])].any():
+                    self.lost_shards += 1
+                else:
                     self.written.add(index)
 
     @property

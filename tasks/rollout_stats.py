@@ -55,7 +55,8 @@ class RolloutStats:
     groups_refilled: int = 0
     """Dynamic sampling: slots given back for groups scored with all rewards equal."""
     groups_lineage_dropped: int = 0
-    """Groups that held tokens of versions a trainer restart lost: issued again."""
+    """Groups that held tokens of versions a trainer restart lost (issued again): those
+    written to the stream, as of the newest scan, plus those dropped as they finished."""
     max_version_span: int = 0
     server_recoveries: int = 0
     episode_turns: int = 0

@@ -121,6 +121,15 @@ class ServedWeights:
                 if await asyncio.to_thread(self.run_over):  # the trainer is done and gone
                     log.info("policy version %d not loaded: the run is over (%s)", number, exc)
                     return False
+                if not version.durable:  # servable only: its weights were in the sender
+                    log.warning(
+                        "policy version %s not loaded: %s, and it is not durable (the next "
+                        "poll takes the newest servable version)",
+                        version.name,
+                        exc,
+                    )
+                    self.fast.count_failure()
+                    return False
                 self.fast.count_failure()
                 self.stats.weight_fallbacks += 1
                 log.warning("policy version %d loads from disk: %s", number, exc)

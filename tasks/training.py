@@ -31,6 +31,7 @@ from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.checkpoints import canonical_url, save_checkpoint
 from sluice.infra.config import RunConfig
+from sluice.infra.failpoints import failpoint
 from sluice.infra.lease import StorageLease
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.system_metrics import SystemMetrics, start_system_metrics
@@ -283,6 +284,7 @@ class TrainingRole(Role):
                 uri = save_checkpoint(saved.policy, url, options, replace=True, link=True)
             parts["train/commit_policy_s"] = time.monotonic() - started
             state.result()
+        failpoint("train.written_not_committed")  # on storage, not yet durable in the registry
         if registered:
             self.registry.mark_durable(version, incarnation=self.incarnation)
         else:

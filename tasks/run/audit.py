@@ -1,18 +1,24 @@
 """The books of a finished run, read back from storage and the registry: what a fault
-could have broken, counted.
+could have broken, counted, over the *surviving lineage* (docs/design.md §2: versions
+served and then lost to a crash are not part of it; the steps they held were trained
+again).
 
-- every committed version's checkpoint is complete (its manifest verifies) unless
-  retention deleted it (tagged `sluice.deleted`), the newest version's trainer state is
-  complete, the alias names the newest version, and the run reached its step count;
+- the surviving lineage has one version per step 0 .. total_steps; every durable
+  version's checkpoint is complete (its manifest verifies) unless retention deleted it
+  (tagged `sluice.deleted`), the newest durable version's trainer state is complete, the
+  servable alias names the newest version and the durable alias the newest durable one;
 - no shard was acked twice by one consumer (`reward` over rollouts, `trainer` over
-  scored), no scored shard went into two versions, and the shards the versions list
-  are exactly the ones the trainer's ledger acks;
-- every group number reached each stream whole, once: `group_size` rows (a role
-  restarted after a crash re-does its work under the same shard key, never beside it);
-- version v trained exactly the groups issued as numbers (v-1)B .. vB-1: none lost,
-  none extra (a re-issued group keeps its number);
+  scored), no scored shard went into two durable versions, and the trainer's ledger
+  acks exactly the shards the durable versions list plus those it dropped for holding
+  tokens of lost versions;
+- every shard holds whole groups (`group_size` rows each); a group dropped for holding
+  lost tokens went again as a new attempt, in a shard of its own;
+- the durable versions together trained exactly the groups issued as numbers
+  0 .. total_steps x B - 1 (durable version k lists those of the steps since the durable
+  version before it): none lost, none extra, and none holding a token of a lost version;
 - every row of one group number carries the same prompt (re-issued with its prompt);
-- no trained sample was generated more than eta versions before it was trained.
+- no trained sample was generated more than eta versions before the step that trained
+  it (group n is trained by step floor(n / B) + 1).
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from sluice.engines.rl.groups import group_index_of
+from sluice.engines.rl.lineage import lost_groups
 from sluice.infra.checkpoints import CheckpointError, verify_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.streams.reader import StreamReader
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, run_paths, run_registry
-from sluice.tasks.run.versions import read_consumed
+from sluice.tasks.run.versions import lost_versions, read_consumed
 
 
 @dataclass
@@ -34,7 +41,16 @@ class RunAudit:
     total_steps: int
     max_staleness_allowed: int
     versions: list[int] = field(default_factory=list)
+    """Steps of the surviving lineage's versions, in order."""
     alias_version: int | None = None
+    durable_versions: list[int] = field(default_factory=list)
+    durable_alias_version: int | None = None
+    lost_versions: list[str] = field(default_factory=list)
+    """Versions served and then lost to a crash (``r/vk``)."""
+    groups_lineage_dropped: int = 0
+    """Scored shards the trainer dropped for holding tokens of lost versions."""
+    trained_lost_tokens: list[int] = field(default_factory=list)
+    """Group numbers a durable version trained that hold tokens of lost versions."""
     incomplete_versions: list[int] = field(default_factory=list)
     shards: dict[str, int] = field(default_factory=dict)
     """Committed shards per stream."""
@@ -65,6 +81,11 @@ class RunAudit:
             found.append(f"versions not contiguous: {self.versions}")
         if self.alias_version != (self.versions[-1] if self.versions else None):
             found.append(f"alias on {self.alias_version}, newest is {self.versions[-1:]}")
+        newest_durable = self.durable_versions[-1] if self.durable_versions else None
+        if self.durable_alias_version != newest_durable:
+            found.append(f"durable alias on {self.durable_alias_version}, newest {newest_durable}")
+        if self.trained_lost_tokens:
+            found.append(f"groups with tokens of lost versions trained: {self.trained_lost_tokens}")
         if self.incomplete_versions:
             found.append(f"incomplete checkpoints: versions {self.incomplete_versions}")
         if self.duplicated:
@@ -93,10 +114,16 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
     url, options = config.storage.url, config.storage.options
     audit = RunAudit(run_id, config.trainer.total_steps, config.staleness.max_staleness)
     registry = run_registry(config, run_id)
-    committed = registry.versions()
-    audit.versions = [v.policy_version for v in committed]
-    latest = registry.newest_servable()
+    everything = registry.versions()
+    lost = lost_versions(everything)
+    audit.lost_versions = [v.name for v in everything if v.lost]
+    surviving = [v for v in everything if not v.lost]
+    audit.versions = [v.policy_version for v in surviving]
+    committed = [v for v in surviving if v.durable]
+    audit.durable_versions = [v.policy_version for v in committed]
+    latest, durable = registry.newest_servable(), registry.newest_durable()
     audit.alias_version = latest.policy_version if latest else None
+    audit.durable_alias_version = durable.policy_version if durable else None
     paths = run_paths(config, run_id)
     for version in committed:
         if version.deleted:
@@ -118,42 +145,58 @@ def audit_run(config: RunConfig, run_id: str) -> RunAudit:
     }
     rollouts = reader(ROLLOUTS, "audit")
     prompts: dict[int, set[str]] = defaultdict(set)
-    rows: dict[str, Counter[int]] = {ROLLOUTS: Counter(), SCORED: Counter()}
+    not_whole: dict[str, set[int]] = {ROLLOUTS: set(), SCORED: set()}
+    group_size = config.rollout.group_size
+
+    def whole(stream: str, ids: list[str]) -> None:
+        """Each shard holds whole groups (an attempt of a group is a shard of its own)."""
+        counts = Counter(map(group_index_of, ids))
+        not_whole[stream].update(g for g, n in counts.items() if n != group_size)
+
     rollout_refs = rollouts.committed()
     for ref in rollout_refs:
         table = rollouts.read(ref).select(["group_id", "prompt_id"])
-        for group_id, prompt_id in zip(*(c.to_pylist() for c in table.columns), strict=True):
+        ids = table.column("group_id").to_pylist()
+        for group_id, prompt_id in zip(ids, table.column("prompt_id").to_pylist(), strict=True):
             prompts[group_index_of(group_id)].add(prompt_id)
-            rows[ROLLOUTS][group_index_of(group_id)] += 1
+        whole(ROLLOUTS, ids)
     audit.prompts_changed = sorted(g for g, seen in prompts.items() if len(seen) > 1)
 
     scored = reader(SCORED, "audit")
     by_name = {ref.name: ref for ref in scored.committed()}
     for ref in by_name.values():
-        rows[SCORED].update(map(group_index_of, scored.read(ref).column("group_id").to_pylist()))
-    group_size = config.rollout.group_size
-    audit.groups_not_whole = {
-        stream: sorted(g for g, n in counts.items() if n != group_size)
-        for stream, counts in rows.items()
-    }
+        whole(SCORED, scored.read(ref).column("group_id").to_pylist())
+    audit.groups_not_whole = {stream: sorted(g) for stream, g in not_whole.items()}
     audit.shards = {ROLLOUTS: len(rollout_refs), SCORED: len(by_name)}
     B = config.trainer.prompts_per_batch
     listed: Counter[str] = Counter()
+    trained: set[int] = set()
+    previous = 0
     for version in committed[1:]:
         names = read_consumed(config, paths, version)
         listed.update(names)
-        trained: set[int] = set()
         for name in names:
             if name not in by_name:
                 continue
-            table = scored.read(by_name[name]).select(["group_id", "version_start"])
+            table = scored.read(by_name[name])
+            groups = list(map(group_index_of, table.column("group_id").to_pylist()))
             starts = table.column("version_start").to_pylist()
-            audit.max_staleness = max(audit.max_staleness, version.policy_version - 1 - min(starts))
-            trained.update(group_index_of(g) for g in table.column("group_id").to_pylist())
-        expected = set(range((version.policy_version - 1) * B, version.policy_version * B))
+            for group, start in zip(groups, starts, strict=True):
+                audit.max_staleness = max(audit.max_staleness, group // B - start)
+            trained.update(groups)
+            audit.trained_lost_tokens += sorted(lost_groups(table, lost))
+        expected = set(range(previous * B, version.policy_version * B))
         audit.groups_lost += sorted(expected - trained)
-        audit.groups_extra += sorted(trained - expected)
+        previous = version.policy_version
+    audit.groups_extra = sorted(trained - set(range(previous * B)))
     audit.trained_twice = sum(n - 1 for n in listed.values() if n > 1)
-    acked = reader(SCORED, "trainer").acked()
-    audit.ledger_mismatch = sorted(set(listed) ^ acked)
+    trainer = reader(SCORED, "trainer")
+    dropped = {
+        shard
+        for record in trainer.records()
+        if record.meta.get("lineage_dropped")
+        for shard in record.shards
+    }
+    audit.groups_lineage_dropped = len(dropped)
+    audit.ledger_mismatch = sorted((set(listed) | dropped) ^ trainer.acked())
     return audit

@@ -168,9 +168,10 @@ class Retention:
 
     def _delete(self, url: str, what: str) -> bool:
         try:
-            delete_checkpoint(url, self.config.storage.options)
+            deleted = delete_checkpoint(url, self.config.storage.options)
         except Exception as exc:
             log.warning("cannot delete %s at %s (%s); retried next commit", what, url, exc)
             return False
-        log.info("retention deleted %s (%s)", what, url)
+        if deleted:  # not when another incarnation's version of the step went first
+            log.info("retention deleted %s (%s)", what, url)
         return True
