@@ -41,8 +41,7 @@ from sluice.infra.checkpoints import save_checkpoint
 from sluice.infra.failpoints import failpoint
 from sluice.infra.streams.names import ShardRef
 from sluice.infra.weight_transfer import weight_transfer_path
-from sluice.tasks.run.cadence import Cadence, Decision
-from sluice.tasks.run.eval_schedule import should_evaluate
+from sluice.tasks.run.cadence import Decision, cadence_of, must_be_durable
 from sluice.tasks.run.paths import write_json
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import SavedVersion, save_version, save_version_later
@@ -63,14 +62,7 @@ class Publisher:
     ) -> None:
         self.role, self.reader, self.local_root = role, reader, local_root
         self.config = role.config
-        cfg = self.config.checkpoint
-        self.cadence = Cadence(
-            cfg.every_versions,
-            cfg.every_s,
-            cfg.max_lag_s,
-            last_durable_version=start_version,
-            last_durable_at=time.monotonic(),
-        )
+        self.cadence = cadence_of(self.config, start_version, time.monotonic())
         self.servable = Background("trainer-servable")
         self.durable = Background("trainer-durable")
         self.sender: WeightSender | None = None
@@ -135,14 +127,6 @@ class Publisher:
         """`every_versions: 1`, and LoRA runs: an adapter is a few MB, durable at once."""
         return self.config.checkpoint.every_versions == 1 or bool(self.config.trainer.lora.rank)
 
-    def must_be_durable(self, version: int) -> bool:
-        """The final version and those the evaluation schedule scores (it reads only
-        durable versions)."""
-        total = self.config.trainer.total_steps
-        return version >= total or (
-            self.config.evaluation.during_run and should_evaluate(version, self.config)
-        )
-
     def publish(
         self,
         trainer: PolicyTrainer,
@@ -159,7 +143,7 @@ class Publisher:
         self.parts = {}
         self.check()
         self.ack_durable()
-        must = must or self.must_be_durable(version)
+        must = must or must_be_durable(self.config, version)
         writing = self._writing is not None and not self._writing.done()
         decision = self.cadence.decide(version, started, must=must, writing=writing)
         if decision == "wait":

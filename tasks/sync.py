@@ -32,6 +32,7 @@ from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from sluice.infra.config import RunConfig
 from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.prompts import PromptSource
+from sluice.tasks.run.cadence import cadence_of, must_be_durable
 from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.threads import Background
@@ -124,7 +125,17 @@ class SyncRole(TrainingRole):
         advantages = advantage_fn(cfg)
         shape_rewards = reward_shaping(cfg)
         version = latest.policy_version
-        background = Background("sync-commit")
+        background = Background("sync-metrics")
+        durable = Background("sync-durable")
+        total = cfg.trainer.total_steps
+        cadence = cadence_of(cfg, version, time.monotonic())
+        # Only a torch trainer of full weights serves a version without writing it.
+        can_skip = (
+            cfg.trainer.background_save
+            and not cfg.trainer.lora.rank
+            and cfg.trainer.backend == "torch"
+            and cfg.trainer.world_size == 1
+        )
         started = time.monotonic()
         generate_s = trained_tokens = 0.0
         # (prompt, response) lengths of the newest samples: what the capacity planner
@@ -160,14 +171,29 @@ class SyncRole(TrainingRole):
             timer.move("train", "proximal", metrics.get("train/proximal_time_s", 0.0))
             version += 1
             timer.enter("publish")
-            # The previous step's write, upload and commit had this step's generation and
-            # training to run in; they are done before this step's start.
-            background.wait()
-            local = local_root / f"v{version:06d}"
-            deferred = (
-                save_version_later(trainer, local, version) if cfg.trainer.background_save else None
+            # The same durability policy as the train role (tasks/run/cadence.py): a
+            # version the cadence does not make durable is served (the engine is right
+            # here) and registered, and nothing of it is written.
+            published = version % cfg.trainer.publish_every == 0 or version == total
+            writing = durable.pending()
+            must = must_be_durable(cfg, version) or not can_skip
+            decision = (
+                cadence.decide(version, time.monotonic(), must=must, writing=writing)
+                if published
+                else "servable"
             )
-            if deferred is None:
+            if decision == "wait":
+                # With every version durable, the step before's write, upload and commit
+                # had this step's generation and training to run in.
+                durable.wait()
+            if published:
+                cadence.published(version, time.monotonic(), decision)
+            tags = {"reward_mean": f"{stats['reward/mean']:.4f}", "mode": "sync"}
+            local = local_root / f"v{version:06d}"
+            deferred = None
+            if decision in ("durable", "wait") and cfg.trainer.background_save:
+                deferred = save_version_later(trainer, local, version)
+            if deferred is None and decision in ("durable", "wait"):
                 saved = save_version(trainer, local, version)
                 timer.enter("reload")
                 engine.update_weights_from_disk(saved.policy, version)
@@ -175,22 +201,20 @@ class SyncRole(TrainingRole):
                 # The engine is in this process: it takes the weights themselves (one
                 # copy, in its dtype), and the checkpoint is written, like the upload and
                 # the commit, while the next step generates and trains.
-                saved, write, _ = deferred
                 timer.enter("reload")
                 named = unique_named_tensors(trainer.model.state_dict())
                 engine.update_weights_from_tensors(named, version, source="the trainer")
-                background.submit(write)
             timer.enter(OTHER)
-            for old in local_root.glob("v*"):
-                if old != saved.policy.parent:
-                    shutil.rmtree(old, ignore_errors=True)
-            if version % cfg.trainer.publish_every == 0 or version == cfg.trainer.total_steps:
-                background.submit(
-                    self.commit_version,
-                    saved,
-                    version,
-                    {"reward_mean": f"{stats['reward/mean']:.4f}", "mode": "sync"},
-                )
+            if deferred is not None:
+                saved, write, _ = deferred
+                durable.submit(write)
+            if decision in ("durable", "wait"):
+                for old in local_root.glob("v*"):
+                    if old != saved.policy.parent:
+                        shutil.rmtree(old, ignore_errors=True)
+                durable.submit(self.commit_version, saved, version, tags)
+            elif published:
+                background.submit(self.register_servable, version, tags)
             trained_tokens += metrics.get("train/trained_tokens", 0.0)
             elapsed = time.monotonic() - started
             longest = max(len(o.output_token_ids) for o in outputs)
@@ -210,6 +234,9 @@ class SyncRole(TrainingRole):
             # thread's write, upload and commit are outside it.
             metrics.update(timer.lap_metrics())
             metrics.update(background.report())
+            metrics.update(durable.report("background/durable_"))
+            metrics["train/durability_skipped"] = float(cadence.skipped)
+            metrics["train/durability_lag_s"] = cadence.lag_s(time.monotonic())
             background.submit(
                 log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
@@ -226,6 +253,11 @@ class SyncRole(TrainingRole):
                 **background.report(),
             )
         background.close()
+        durable.close()
+        if cadence.last_durable_version < version and version % cfg.trainer.publish_every == 0:
+            # A clean stop keeps the newest version: the trainer still holds its weights.
+            saved = save_version(trainer, local_root / f"v{version:06d}", version)
+            self.commit_version(saved, version, {"mode": "sync"}, registered=True)
         trainer.close()
         engine.shutdown()
         self.finish(version)

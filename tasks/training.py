@@ -310,6 +310,18 @@ class TrainingRole(Role):
         self.retention.after_commit(version)
         return uri
 
+    def register_servable(self, version: int, tags: dict[str, Any]) -> None:
+        """Register `version` servable only (``skipped``): served, never written."""
+        self.registry.commit(
+            version,
+            self.paths.checkpoint(version),
+            run_id=self.mlflow_run_id,
+            tags=tags,
+            incarnation=self.incarnation,
+            durable=False,
+            pending=False,
+        )
+
     @property
     def retention(self) -> Retention:
         if self._retention is None:

@@ -23,9 +23,26 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sluice.infra.config import RunConfig
+from sluice.tasks.run.eval_schedule import should_evaluate
+
 log = logging.getLogger("sluice.train")
 
 Decision = Literal["servable", "durable", "skip", "wait"]
+
+
+def must_be_durable(config: RunConfig, version: int) -> bool:
+    """The final version, and those the evaluation schedule scores (evaluation reads
+    only durable versions), whatever the cadence."""
+    return version >= config.trainer.total_steps or (
+        config.evaluation.during_run and should_evaluate(version, config)
+    )
+
+
+def cadence_of(config: RunConfig, start_version: int, now: float) -> Cadence:
+    """The cadence `checkpoint.*` asks for, from the durable version `start_version`."""
+    cfg = config.checkpoint
+    return Cadence(cfg.every_versions, cfg.every_s, cfg.max_lag_s, start_version, now)
 
 
 @dataclass

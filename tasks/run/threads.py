@@ -57,6 +57,10 @@ class Background:
             out[f"{prefix}lag_s"] = self.lag_s
         return out
 
+    def pending(self) -> bool:
+        """Whether a job submitted since the last wait has not finished."""
+        return any(not f.done() for f in self._futures)
+
     def wait(self) -> list[Any]:
         """Results of every job submitted since the last wait, in order."""
         futures, self._futures = self._futures, []

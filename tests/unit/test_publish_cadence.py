@@ -43,11 +43,14 @@ def acked(config: RunConfig, shard) -> bool:
 
 
 def train_and_publish(role, trainer, versions, config):
+    """Publish `versions`, each once the one before is on storage (so none skips)."""
     shards = {}
     for version in versions:
         trainer.train_step(batch(trainer.model.config.vocab_size))
         shards[version] = scored_shard(config, version)
         role.publish(trainer, version, [shards[version]], {"reward_mean": "0.5"})
+        role.publisher.servable.wait()
+        role.publisher.durable.wait()
     return shards
 
 
