@@ -21,11 +21,14 @@ def weight_transfer_path(config: RunConfig) -> Literal["disk", "distributed", "s
     if chosen != "auto":
         return chosen
     if not servers_on_gpu(config):
-        # Measured on a CPU (docs/reports/2026-11-27-weight-sync.md): the checkpoint the
-        # trainer writes anyway is in the page cache, so a server reads it as fast as
-        # it maps shared memory, and faster than gloo sends it; a fast path only adds
-        # a copy that competes with training for the cores.
-        return "disk"
+        if config.checkpoint.every_versions == 1 or config.servers.launch != "embedded":
+            # Measured on a CPU (docs/reports/2026-11-27-weight-sync.md): the checkpoint
+            # the trainer writes anyway is in the page cache, so a server reads it as
+            # fast as it maps shared memory, and faster than gloo sends it.
+            return "disk"
+        # Versions that are not durable are not written at all: one copy into shared
+        # memory beats writing and hashing a checkpoint only to serve it.
+        return "disk" if config.rollout.server_urls else "shared_memory"
     if config.servers.launch == "embedded":
         return "disk" if config.rollout.server_urls else "shared_memory"
     return "distributed"

@@ -52,6 +52,15 @@ if TYPE_CHECKING:
     from sluice.tasks.training import TrainingRole
 
 log = logging.getLogger("sluice.train")
+Snapshot = tuple[SavedVersion, Callable[[], None] | None, dict[str, Any] | None]
+"""A version's copy: where it is written, the write (None: written already, or nothing
+to write), and the copied weights (None: not copied to host memory)."""
+
+
+def tensor_bytes(state: dict[str, Any]) -> int:
+    """Bytes of the tensors in a state dict (shared storage counted once)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
+    return sum(seen.values())
 
 
 class Publisher:
@@ -63,6 +72,7 @@ class Publisher:
         self.role, self.reader, self.local_root = role, reader, local_root
         self.config = role.config
         self.cadence = cadence_of(self.config, start_version, time.monotonic())
+        self.copying = Background("trainer-copy")
         self.servable = Background("trainer-servable")
         self.durable = Background("trainer-durable")
         self.sender: WeightSender | None = None
@@ -188,8 +198,9 @@ class Publisher:
             if self.sender is not None and not on_gpu:  # from the host copy, off the path
                 self.durable.submit(self.offer, version, weights)
         self._writing = self.durable.submit(
-            self._write_and_commit, write, saved, version, tags, self._names(), cursor, None
-        )
+            self._write_and_commit, (saved, write, None), True, version, tags, self._names(),
+            cursor, None,
+        )  # fmt: skip
         self.durable.submit(self._prune_local, saved.policy.parent, None)
 
     def _publish_servable(
@@ -200,45 +211,67 @@ class Publisher:
         cursor: int | None,
         decision: Decision,
     ) -> None:
-        """Register `version` servable now; snapshot it for durability if due."""
+        """Register `version` servable now; snapshot it for durability if due.
+
+        One copy of the live tensors: the snapshot (weights, and the optimizer state
+        when it is to be durable) or the sender's own copy of the weights. On a CPU
+        trainer that honours the update fence it runs on the copy thread while the next
+        step's pi_prox, forward and backward read the same tensors, and the next
+        optimizer step waits for it (``train/update_fence_wait_s``); otherwise it is
+        made here, on the critical path (a device copy on a GPU)."""
         started = time.monotonic()
         durable = decision in ("durable", "wait")
         local = self.local_root / f"v{version:06d}"
         on_gpu = next(trainer.model.parameters()).is_cuda
         disk = self.sender is None
-        # One copy on the critical path: the snapshot (weights, and the optimizer state
-        # when it is to be durable), or the sender's own copy of the weights.
-        deferred = None
-        if self.config.trainer.background_save and (durable or disk):
-            deferred = save_version_later(trainer, local, version, weights_only=not durable)
-        write: Callable[[], None] | None = None
-        if deferred is not None:
-            saved, write, weights = deferred
-        elif durable or disk:
-            saved = save_version(trainer, local, version)
+        if not disk and on_gpu:
+            self.offer(version, trainer.model.state_dict())  # a device copy
+        offer_live = not disk and not on_gpu and not durable
+
+        def snapshot() -> Snapshot:
+            copied = time.monotonic()
+            if offer_live:  # the sender's copy is the only one
+                self.offer(version, trainer.model.state_dict())
+                return SavedVersion(local / "policy", local / "trainer_state"), None, None
+            deferred = None
+            if self.config.trainer.background_save:
+                deferred = save_version_later(trainer, local, version, weights_only=not durable)
+            if deferred is None:
+                return save_version(trainer, local, version), None, None
+            taken = time.monotonic() - copied
+            nbytes = float(tensor_bytes(deferred[2]) * (1 if not durable else 3))
+            self.parts.update(
+                {
+                    "train/snapshot_s": taken,
+                    "train/snapshot_bytes": nbytes,
+                    "train/snapshot_gb_per_s": nbytes / 1e9 / max(taken, 1e-9),
+                }
+            )
+            return deferred
+
+        overlap = not on_gpu and getattr(trainer, "supports_update_fence", False)
+        copy: Future[Snapshot]
+        if overlap:
+            copy = self.copying.submit(snapshot)
+            trainer.update_fence = copy.result
         else:
-            saved = SavedVersion(local / "policy", local / "trainer_state")
-        if not disk and (on_gpu or deferred is None):
-            self.offer(version, trainer.model.state_dict())
+            copy = Future()
+            copy.set_result(snapshot())
         self.parts["train/host_copy_s"] = time.monotonic() - started
-        if not disk and not on_gpu and deferred is not None:
-            self.servable.submit(self.offer, version, weights)
         url = self.role.paths.checkpoint(version)
-        if disk:  # the servers read policy files: they go to storage first
-            self.servable.submit(self._write_policy, write, saved, url)
-            write = None
         tags = {**tags, "sluice.published_s": f"{time.time():.3f}"}
+        offer_snapshot = not disk and not on_gpu and durable
         self._registered[version] = self.servable.submit(
-            self._register, version, url, tags, disk, durable
+            self._serve, copy, version, url, tags, disk, durable, offer_snapshot
         )
         if durable:
             names = self._names()
             self._writing = self.durable.submit(
-                self._write_and_commit, write, saved, version, tags, names, cursor, url
+                self._write_and_commit, copy, not disk, version, tags, names, cursor, url
             )
-            self._durable_dir = saved.policy.parent
+            self._durable_dir = local
         if durable or disk:  # local copies go once no job needs them
-            self.servable.submit(self._prune_local, saved.policy.parent, self._durable_dir)
+            self.servable.submit(self._prune_local, local, self._durable_dir)
 
     def _names(self) -> list[str]:
         """Every shard trained since the newest durable version (durable k's record)."""
@@ -247,20 +280,29 @@ class Publisher:
 
     # ------------------------------------------------------------ background jobs
 
-    def _write_policy(
-        self, write: Callable[[], None] | None, saved: SavedVersion, url: str
+    def _serve(
+        self,
+        copy: Future[Snapshot],
+        version: int,
+        url: str,
+        tags: dict[str, Any],
+        disk: bool,
+        durable: bool,
+        offer_snapshot: bool,
     ) -> None:
-        started = time.monotonic()
-        if write is not None:
-            write()
-        save_checkpoint(saved.policy, url, self.config.storage.options, replace=True, link=True)
-        self.parts["train/servable_write_s"] = time.monotonic() - started
-
-    def _register(
-        self, version: int, url: str, tags: dict[str, Any], on_storage: bool, pending: bool
-    ) -> None:
-        """Register `version` servable: ``pending`` when its durable write is under way,
-        ``skipped`` when none will follow (not due, or storage was busy)."""
+        """Make `version` reachable by the servers, then register it servable:
+        ``pending`` when its durable write is under way, ``skipped`` when none will
+        follow. On the disk path its policy files go to storage first."""
+        saved, write, weights = copy.result()
+        if offer_snapshot and weights is not None:
+            self.offer(version, weights)
+        if disk:
+            started = time.monotonic()
+            if write is not None:
+                write()
+            options = self.config.storage.options
+            save_checkpoint(saved.policy, url, options, replace=True, link=True)
+            self.parts["train/servable_write_s"] = time.monotonic() - started
         self.role.registry.commit(
             version,
             url,
@@ -268,27 +310,28 @@ class Publisher:
             tags=tags,
             incarnation=self.role.incarnation,
             durable=False,
-            pending=pending,
-            check_files=on_storage,
+            pending=durable,
+            check_files=disk,
         )
 
     def _write_and_commit(
         self,
-        write: Callable[[], None] | None,
-        saved: SavedVersion,
+        copy: Future[Snapshot] | Snapshot,
+        write_here: bool,
         version: int,
         tags: dict[str, Any],
         names: list[str],
         cursor: int | None,
         registered_at: str | None,
     ) -> None:
-        """The durable half: the local write, the upload and the commit. With
-        `registered_at` (the version was registered servable), its registration is
-        waited for and the commit marks it durable."""
+        """The durable half: the local write (unless the disk path's servable job makes
+        it), the upload and the commit. With `registered_at` (the version was registered
+        servable), its registration is waited for and the commit marks it durable."""
         if self.sender is not None or registered_at is not None:
             failpoint("train.offered_not_durable")  # servable, not yet durable
+        saved, write, _ = copy.result() if isinstance(copy, Future) else copy
         started = time.monotonic()
-        if write is not None:
+        if write is not None and write_here:
             write()
             self.parts["train/checkpoint_write_s"] = time.monotonic() - started
         registered = self._registered.pop(version, None)
@@ -335,6 +378,7 @@ class Publisher:
         """Wait for every job, and make the newest version durable if it is not and the
         `trainer` still holds its weights (it trained `trained` steps): a clean stop
         keeps every version it served. `trainer` None: nothing more is saved."""
+        self.copying.wait()
         self.servable.wait()
         self.durable.wait()
         self.check()
@@ -358,6 +402,7 @@ class Publisher:
 
     def close(self) -> None:
         try:
+            self.copying.close()
             self.servable.close()
         finally:
             self.durable.close()
@@ -365,6 +410,7 @@ class Publisher:
     def report(self) -> dict[str, float]:
         """Background seconds of each thread (outside the role's time states)."""
         return {
+            **self.copying.report("background/copy_"),
             **self.servable.report("background/servable_"),
             **self.durable.report("background/durable_"),
         }

@@ -51,6 +51,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
     """``PolicyTrainer`` whose policy is a Megatron ``GPTModel`` (any parallel sizes)."""
 
     backend = "megatron"
+    supports_update_fence = False  # its optimizer steps inside Megatron's schedule
     free_proximal = False
     """Megatron takes its optimizer step inside its forward-backward schedule, so the
     correction and the watchdog have no place between backward and step: the π_prox

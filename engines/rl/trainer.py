@@ -91,6 +91,14 @@ class PolicyTrainer(LogprobPasses):
     """The frozen reference policy of the KL penalty (full fine-tuning only)."""
     _guard: StepGuard | None = None
     _refused = False
+    supports_update_fence = True
+    """Whether `update_fence` is honoured (the torch backend's own optimizer step)."""
+    update_fence: Callable[[], object] | None = None
+    """Called, then cleared, before the next optimizer step, the only place the weights
+    and optimizer state change: a copy of them that reads the live tensors while the
+    next step's pi_prox, forward and backward run holds training there until it is done
+    (tasks/publisher.py). Seconds waited: ``train/update_fence_wait_s``."""
+    _fence_wait_s = 0.0
 
     def __init__(
         self,
@@ -224,8 +232,16 @@ class PolicyTrainer(LogprobPasses):
             self.optimizer.zero_grad(set_to_none=True)
             self._refused = True
         elif math.isfinite(grad_norm):
+            self._pass_update_fence()
             self.optimizer.step()
         return grad_norm, parts
+
+    def _pass_update_fence(self) -> None:
+        fence, self.update_fence = self.update_fence, None
+        if fence is not None:
+            waited = time.perf_counter()
+            fence()
+            self._fence_wait_s += time.perf_counter() - waited
 
     # ------------------------------------------------------------ the step
 
@@ -281,6 +297,7 @@ class PolicyTrainer(LogprobPasses):
         """One policy update over `samples`; returns plain-float metrics. `guard` may
         refuse the update (see `StepGuard`)."""
         started = time.perf_counter()
+        self._fence_wait_s = 0.0
         s = self.settings
         batch = self.make_batch(samples)
         n = len(batch.sequences)
@@ -376,6 +393,7 @@ class PolicyTrainer(LogprobPasses):
                 "train/lr": lr,
                 "train/step_time_s": elapsed,
                 "train/proximal_time_s": prox_time,
+                "train/update_fence_wait_s": self._fence_wait_s,
                 "train/proximal_pass_tokens": float(pass_tokens),
                 "train/reference_time_s": reference_time,
                 "train/reference_pass_tokens": float(reference_tokens),

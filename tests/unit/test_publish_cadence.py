@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, verify_checkpoint
 from sluice.infra.config import RunConfig
@@ -165,4 +166,29 @@ def test_retention_lets_servable_only_versions_go_and_keeps_two_trainer_states(
     assert not on_disk & {f"v{k:06d}" for k in deleted}
     states = {p.name for p in local_path(role.paths.trainer_states).iterdir()}
     assert states == {"v000006", "v000007"}
+    role.publisher.close()
+
+
+def test_the_snapshot_copies_the_published_weights_while_the_next_step_trains(config, tiny_dir):
+    """The copy runs beside the next step's forward and backward; the optimizer step
+    waits for it, so the durable checkpoint holds exactly the published weights."""
+    from safetensors.torch import load_file
+
+    role = start_run(config, tiny_dir)
+    trainer = make_trainer(tiny_dir)
+    train_and_publish(role, trainer, [1, 2], config)
+    trainer.train_step(batch(trainer.model.config.vocab_size))
+    published = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    role.publish(trainer, 3, [scored_shard(config, 3)], {})  # due: snapshot, then durable
+    assert trainer.update_fence is not None  # the copy may still be running
+    metrics = trainer.train_step(batch(trainer.model.config.vocab_size))  # no wait first
+    assert trainer.update_fence is None and metrics["train/update_fence_wait_s"] >= 0.0
+    role.finish_publish()
+
+    assert role.registry.get(3).durable
+    saved = load_file(str(local_path(role.registry.get(3).checkpoint_uri) / "model.safetensors"))
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, published[name]), name
+    moved = trainer.model.state_dict()
+    assert any(not torch.equal(moved[n], published[n]) for n in saved)  # training went on
     role.publisher.close()

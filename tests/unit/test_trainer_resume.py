@@ -4,6 +4,7 @@ minibatch order, the optimizer moments and the step count all come back, so a re
 
 import numpy as np
 import pytest
+import torch
 
 from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
@@ -47,3 +48,23 @@ def test_a_trainer_reloaded_from_its_checkpoint_logs_the_uninterrupted_losses(ti
     losses += [resumed.train_step(batch)["loss/policy_loss"] for _ in range(2)]
 
     assert losses == expected  # exact, not approx
+
+
+def test_the_update_fence_is_passed_once_before_the_weights_change(tiny_dir):
+    from tests.unit.test_publish_layout import batch, make_trainer
+
+    trainer = make_trainer(tiny_dir)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    seen = []
+
+    def fence():
+        now = list(trainer.model.parameters())
+        seen.append(all(torch.equal(a, b) for a, b in zip(now, before, strict=True)))
+
+    trainer.update_fence = fence
+    metrics = trainer.train_step(batch(trainer.model.config.vocab_size))
+    # Two minibatches, two optimizer steps: the fence ran once, before the first.
+    assert seen == [True] and trainer.update_fence is None
+    assert "train/update_fence_wait_s" in metrics
+    after = list(trainer.model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

@@ -17,6 +17,13 @@ def test_auto_takes_disk_on_a_cpu_where_the_page_cache_serves_as_fast():
     assert resolved("servers.launch=docker") == "disk"  # CPU servers
 
 
+def test_auto_takes_shared_memory_on_a_cpu_when_versions_between_checkpoints_are_not_written():
+    assert resolved("device=cpu", "checkpoint.every_versions=10") == "shared_memory"
+    assert resolved("servers.launch=docker", "checkpoint.every_versions=10") == "disk"
+    urls = 'rollout.server_urls=["http://10.0.0.5:30000"]'
+    assert resolved("device=cpu", "checkpoint.every_versions=10", urls) == "disk"
+
+
 def test_auto_takes_a_fast_path_for_servers_on_gpus():
     assert resolved("device=cuda") == "shared_memory"  # the embedded server: CUDA IPC
     assert resolved("servers.launch=docker", "servers.gpus_per_server=1") == "distributed"
