@@ -224,6 +224,16 @@ def format_status(
             f"{_pct(rollout.get('idle_ratio'))} (held by the staleness gate)",
         ),
     ]
+    if "newest_durable_version" in train:  # servable before durable (tasks/publisher.py)
+        rows.append(
+            (
+                "versions",
+                f"servable {train['newest_servable_version']}, durable "
+                f"{train['newest_durable_version']} ({train.get('versions_at_risk', 0)} at "
+                f"risk; durability {_fmt(train.get('durability_lag_s'), '.0f')} s behind, "
+                f"{train.get('durability_skipped', 0)} skipped)",
+            )
+        )
     if done is not None:  # the run's stop marker: why it ends
         at = f" ({_ago(now - done['at'])})" if isinstance(done.get("at"), int | float) else ""
         live = any(state in LIVE_STATES for state in states.values())

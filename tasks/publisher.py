@@ -153,7 +153,7 @@ class Publisher:
         self.parts = {}
         self.check()
         self.ack_durable()
-        must = must or must_be_durable(self.config, version)
+        must = must or self.every_version_durable or must_be_durable(self.config, version)
         writing = self._writing is not None and not self._writing.done()
         decision = self.cadence.decide(version, started, must=must, writing=writing)
         if decision == "wait":
@@ -229,6 +229,7 @@ class Publisher:
         offer_live = not disk and not on_gpu and not durable
 
         def snapshot() -> Snapshot:
+            failpoint("train.copying")  # inside the update fence: the next step waits
             copied = time.monotonic()
             if offer_live:  # the sender's copy is the only one
                 self.offer(version, trainer.model.state_dict())
@@ -406,6 +407,17 @@ class Publisher:
             self.servable.close()
         finally:
             self.durable.close()
+
+    def status(self) -> dict[str, Any]:
+        """For the train role's status document (`sluice status`): the newest servable
+        and durable versions, how many versions a crash now would lose, and the lag."""
+        return {
+            "newest_servable_version": self.newest_published,
+            "newest_durable_version": self._durable_done,
+            "versions_at_risk": self.newest_published - self._durable_done,
+            "durability_lag_s": self.cadence.lag_s(time.monotonic()),
+            "durability_skipped": self.cadence.skipped,
+        }
 
     def report(self) -> dict[str, float]:
         """Background seconds of each thread (outside the role's time states)."""

@@ -389,6 +389,7 @@ class TrainRole(TrainingRole):
                 idle_ratio=metrics["train/idle_ratio"],
                 wall_time_s=elapsed,
                 **self.watch.status(),
+                **publisher.status(),
                 **cumulative,
                 step_timeline=timeline,
                 **self.background.report(),

@@ -1,7 +1,8 @@
 """Servable before durable, under faults (docs/design.md §2): with a version durable every
 4 steps, the trainer is killed between a served version and its durable write, then
-again between a durable write and its commit, and the rollout is killed while the
-newest version is not durable; each is started again by hand. The versions served
+between a durable write and its commit, then inside the update fence (copying a version
+while the next step trains), and the rollout is killed while the newest version is not
+durable; each is started again by hand. The versions served
 since the newest durable one are lost, the groups holding their tokens are dropped and
 issued again, and the books of the surviving lineage are clean (tasks/run/audit.py)."""
 
@@ -48,8 +49,10 @@ def test_crashes_between_served_and_durable_retrain_from_the_durable_version_and
     config_path.write_text(json.dumps(config.model_dump(mode="json")))
     plan = tmp_path / "failpoints.json"
     # The first durable write dies before it starts (v4 served, not durable); the next
-    # one dies after its files are on storage, before the registry says durable.
-    plan.write_text(json.dumps({"train.offered_not_durable": 1, "train.written_not_committed": 1}))
+    # one dies after its files are on storage, before the registry says durable; the
+    # third trainer dies copying its first version while its next step trains.
+    kills = ("train.offered_not_durable", "train.written_not_committed", "train.copying")
+    plan.write_text(json.dumps(dict.fromkeys(kills, 1)))
     env = {**os.environ, ENV: str(plan)}
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
@@ -70,21 +73,21 @@ def test_crashes_between_served_and_durable_retrain_from_the_durable_version_and
     procs = {role: start(role) for role in ROLES}
     started = list(procs.values())
     try:
-        for failpoint in ("train.offered_not_durable", "train.written_not_committed"):
+        for failpoint in kills:
             assert procs["train"].wait(timeout=240) == -9, (log_dir / "train.log").read_text()
             fired = [f["name"] for f in json.loads(plan.read_text()).get("fired", [])]
             assert fired[-1] == failpoint, fired
             procs["train"] = start("train")
             started.append(procs["train"])
-        # The third trainer runs to the end; kill the rollout while it serves a version
+        # The fourth trainer runs to the end; kill the rollout while it serves a version
         # that is not durable (every_versions=4: steps 1-3 of the lineage are not).
         registry = run_registry(config, run_id)
 
         def serving_pending() -> bool:
             served = registry.newest_servable()
-            return served is not None and served.incarnation == 3 and not served.durable
+            return served is not None and served.incarnation == 4 and not served.durable
 
-        wait_for(serving_pending, 240, "the third trainer serving a version not yet durable")
+        wait_for(serving_pending, 240, "the fourth trainer serving a version not yet durable")
         procs["rollout"].kill()
         procs["rollout"].wait()
         procs["rollout"] = start("rollout")
@@ -99,7 +102,8 @@ def test_crashes_between_served_and_durable_retrain_from_the_durable_version_and
     assert audit.problems() == []
     assert audit.versions == list(range(STEPS + 1))
     assert audit.durable_versions[-1] == STEPS and 4 in audit.durable_versions
-    # Both dead trainers' versions were served and lost; the surviving lineage is the third's.
+    # The first two dead trainers' versions were served and lost (the third died before
+    # it registered one); the surviving lineage is the fourth's.
     lost = {name.split("/")[0] for name in audit.lost_versions}
     assert lost == {"r1", "r2"}, audit.lost_versions
     assert audit.duplicated == 0 and audit.groups_lost == [] and audit.groups_extra == []

@@ -112,6 +112,11 @@ def failed_run(
             "staleness_mean": 1.25,
             "trained_tokens_per_s": 1022.2,
             "idle_ratio": 0.12,
+            "newest_servable_version": 7,
+            "newest_durable_version": 4,
+            "versions_at_risk": 3,
+            "durability_lag_s": 12.4,
+            "durability_skipped": 1,
         },
         messages=["step 7: reward 0.412, staleness 1.25, loss 0.0100"],
         crash="CUDA out of memory",
@@ -153,6 +158,9 @@ def test_status_prints_the_progress_numbers_each_role_and_the_failed_roles_newes
     assert rows["staleness"] == "1.25 versions (batch mean)"
     assert rows["tokens/s"] == "5231 generated, 1022 trained"
     assert rows["idle"].startswith("trainer 12% (waiting for data), rollout 40%")
+    assert rows["versions"] == (
+        "servable 7, durable 4 (3 at risk; durability 12 s behind, 1 skipped)"
+    )
     assert rows["stopping"].startswith("role failed: train")  # the flow stops the others
     assert {line.split()[0]: line.split()[1] for line in roles[1:]} == {
         "rollout": "running",
