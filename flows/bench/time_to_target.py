@@ -202,7 +202,7 @@ class ScoredRun:
     def version_times(self) -> list[tuple[int, float]]:
         from sluice.tasks.run.paths import run_registry
 
-        versions = run_registry(self.config, self.run_id).versions()
+        versions = [v for v in run_registry(self.config, self.run_id).versions() if not v.lost]
         self.checkpoints = {v.policy_version: v.checkpoint_uri for v in versions}
         return sorted(
             ((v.policy_version, v.created_at_ms / 1000.0 - self.started_at) for v in versions),

@@ -323,7 +323,7 @@ def summarise(
     throughput = get_metric_history(uri, mlflow_run_id, "train/effective_tokens_per_s")
     wall = get_metric_history(uri, mlflow_run_id, "train/wall_time_s")
     registry = run_registry(config, run_id)
-    versions = registry.versions()
+    versions = [v for v in registry.versions() if not v.lost]  # the surviving lineage
     latest = registry.newest_durable()
     result: dict[str, Any] = {
         "run_id": run_id,

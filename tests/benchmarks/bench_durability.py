@@ -60,7 +60,7 @@ def arms(every: int) -> dict[str, tuple[str, dict[str, Any], bool]]:
         f"async N={every} slow storage": ("async", {"checkpoint.every_versions": every}, True),
         "control (no publish)": (
             "async",
-            {"trainer.publish_every": 100000, "staleness.max_staleness": 100000},
+            {"trainer.publish_every": 100000, "staleness.max_staleness": 1000},
             False,
         ),
     }
@@ -71,33 +71,46 @@ def median(values: list[float]) -> float | None:
 
 
 def summarise(lines: list[dict[str, Any]], statuses: dict[str, Any], wall_s: float) -> dict:
-    """One arm's numbers from its per-step metrics and final status documents."""
+    """One arm's numbers from its per-step metrics and final status documents.
+
+    A step whose batch holds no informative group (`advantage.drop_zero_variance_groups`)
+    trains nothing: medians of compute are over the steps that trained. The overhead
+    between versions is the time between two published versions less the later step's
+    compute and its wait for data: what publishing costs the trainer."""
     steps = len(lines)
+    trained = [ln for ln in lines if ln.get("train/samples", 0) > 0]
     out: dict[str, Any] = {"steps": steps, "steps_per_s": steps / wall_s if wall_s else None}
-    for state in STATES:
-        out[f"median {state} s"] = median([ln.get(f"time/{state}_s", 0.0) for ln in lines])
-    out["median step s"] = median([ln["time/step_s"] for ln in lines if "time/step_s" in ln])
-    compute = [ln.get("time/train_s", 0.0) + ln.get("time/proximal_s", 0.0) for ln in lines]
-    out["median compute s"] = median(compute)
-    published = [ln for ln in lines if "train/publish_wait_s" in ln or "train/commit_s" in ln]
-    walls = [ln["train/wall_time_s"] for ln in published if "train/wall_time_s" in ln]
-    gaps = [b - a for a, b in zip(walls, walls[1:], strict=False)]
-    over = [g - c for g, c in zip(gaps, compute[1:], strict=False)]
-    out["median s between versions"] = median(gaps)
-    out["median (between versions - compute) s"] = median(over)
-    out["max (between versions - compute) s"] = max(over) if over else None
     last = lines[-1] if lines else {}
+    out["trained tokens/s"] = last.get("train/effective_tokens_per_s")
+    out["steps that trained"] = len(trained)
+    for state in STATES:
+        out[f"median {state} s"] = median([ln.get(f"time/{state}_s", 0.0) for ln in trained])
+    out["median step s"] = median([ln["time/step_s"] for ln in trained if "time/step_s" in ln])
+
+    def compute(ln: dict[str, Any]) -> float:
+        return ln.get("time/train_s", 0.0) + ln.get("time/proximal_s", 0.0)
+
+    out["median compute s"] = median([compute(ln) for ln in trained])
+    published = [ln for ln in lines if "train/publish_wait_s" in ln or "train/commit_s" in ln]
+    gaps = [
+        (b["train/wall_time_s"] - a["train/wall_time_s"], b)
+        for a, b in zip(published, published[1:], strict=False)
+        if "train/wall_time_s" in a and "train/wall_time_s" in b
+    ]
+    overhead = [g - compute(b) - b.get("time/wait_data_s", 0.0) for g, b in gaps]
+    out["median s between versions"] = median([g for g, _ in gaps])
+    out["median overhead between versions s"] = median(overhead)
+    out["max overhead between versions s"] = max(overhead) if overhead else None
     out["versions skipped"] = last.get("train/durability_skipped")
-    out["max durability lag s"] = max(
-        (ln.get("train/durability_lag_s", 0.0) for ln in lines), default=None
-    )
+    lags = [ln.get("train/durability_lag_s", 0.0) for ln in lines]
+    out["max durability lag s"] = max(lags) if lags else None
     durable = [ln for ln in lines if "train/commit_bytes" in ln]
-    bytes_ = sorted({(ln.get("train/commit_s"), ln["train/commit_bytes"]) for ln in durable})
-    out["durable versions"] = len(bytes_)
-    out["median bytes made durable"] = median([b for _, b in bytes_])
+    commits = sorted({(ln.get("train/commit_s"), ln["train/commit_bytes"]) for ln in durable})
+    out["durable versions"] = len(commits)
+    out["median bytes made durable"] = median([b for _, b in commits])
     out["median commit GB/s"] = median([ln.get("train/commit_gb_per_s", 0.0) for ln in durable])
     cpu = last.get("background/durable_cpu_s") or last.get("background/cpu_s")
-    out["durable CPU s per durable version"] = cpu / len(bytes_) if cpu and bytes_ else None
+    out["durable CPU s per durable version"] = cpu / len(commits) if cpu and commits else None
     for role, status in statuses.items():
         role_cpu = status.get("time/cpu_s")
         if role_cpu is not None and steps:
@@ -145,6 +158,36 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def print_table(rows: list[dict[str, Any]], every: int) -> None:
+    keys = [k for k in rows[0] if k not in ("label", "run_id")]
+    print("| arm | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for row in rows:
+        print(f"| {row['label']} | " + " | ".join(fmt(row.get(k)) for k in keys) + " |")
+    by = {row["label"]: row for row in rows}
+    for a, s in (("async N=1", "sync N=1"), (f"async N={every}", f"sync N={every}")):
+        for key in ("steps_per_s", "trained tokens/s"):
+            if a in by and s in by and by[s].get(key):
+                print(f"{a} / {s}: {by[a][key] / by[s][key]:.2f}x {key}")
+
+
+def summarise_again(workdir: Path, every: int) -> list[dict[str, Any]]:
+    """The rows of the runs under `workdir` (metrics files; role CPU from status files)."""
+    rows = []
+    for label in arms(every):
+        name = "dur-" + "".join(c if c.isalnum() else "-" for c in label.lower()).strip("-")
+        found = list(workdir.rglob(f"{name[:60]}/metrics.jsonl"))
+        if not found:
+            continue
+        lines = [json.loads(x) for x in found[0].read_text().splitlines()]
+        statuses = {
+            p.stem: json.loads(p.read_text()) for p in workdir.rglob(f"{name[:60]}/_status/*.json")
+        }
+        train_wall = max((ln.get("train/wall_time_s", 0.0) for ln in lines), default=0.0)
+        rows.append({"label": label, "run_id": name, **summarise(lines, statuses, train_wall)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
@@ -155,7 +198,16 @@ def main() -> None:
     parser.add_argument("--arms", default=None, help="comma-separated labels (default: all)")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--json", default=None, help="write the rows here too")
+    parser.add_argument(
+        "--summarise",
+        default=None,
+        metavar="WORKDIR",
+        help="print the table again from the runs an earlier invocation left in WORKDIR",
+    )
     args = parser.parse_args()
+    if args.summarise:
+        print_table(summarise_again(Path(args.summarise), args.every), args.every)
+        return
     for var in ("DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY"):
         os.environ.setdefault(var, "true")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -178,15 +230,7 @@ def main() -> None:
         print(f"arm {label} ...", flush=True)
         rows.append(run_arm(base, label, mode, arm_settings, slow, args))
         print(json.dumps(rows[-1]), flush=True)
-    keys = [k for k in rows[0] if k not in ("label", "run_id")]
-    print("| arm | " + " | ".join(keys) + " |")
-    print("|---|" + "---|" * len(keys))
-    for row in rows:
-        print(f"| {row['label']} | " + " | ".join(fmt(row.get(k)) for k in keys) + " |")
-    by = {row["label"]: row for row in rows}
-    for a, s in (("async N=1", "sync N=1"), (f"async N={args.every}", f"sync N={args.every}")):
-        if a in by and s in by and by[s]["steps_per_s"]:
-            print(f"{a} / {s}: {by[a]['steps_per_s'] / by[s]['steps_per_s']:.2f}x steps per second")
+    print_table(rows, args.every)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
