@@ -227,6 +227,8 @@ class Publisher:
         if not disk and on_gpu:
             self.offer(version, trainer.model.state_dict())  # a device copy
         offer_live = not disk and not on_gpu and not durable
+        # The RNG and step count as of this version, before the next step moves them.
+        small = trainer.small_state() if durable and hasattr(trainer, "small_state") else None
 
         def snapshot() -> Snapshot:
             failpoint("train.copying")  # inside the update fence: the next step waits
@@ -236,11 +238,14 @@ class Publisher:
                 return SavedVersion(local / "policy", local / "trainer_state"), None, None
             deferred = None
             if self.config.trainer.background_save:
-                deferred = save_version_later(trainer, local, version, weights_only=not durable)
+                deferred = save_version_later(
+                    trainer, local, version, weights_only=not durable, small=small
+                )
             if deferred is None:
                 return save_version(trainer, local, version), None, None
             taken = time.monotonic() - copied
-            nbytes = float(tensor_bytes(deferred[2]) * (1 if not durable else 3))
+            saved, write, weights = deferred
+            nbytes = float(tensor_bytes(weights) * (1 if not durable else 3))
             self.parts.update(
                 {
                     "train/snapshot_s": taken,
@@ -248,7 +253,9 @@ class Publisher:
                     "train/snapshot_gb_per_s": nbytes / 1e9 / max(taken, 1e-9),
                 }
             )
-            return deferred
+            # The write (save_pretrained) drops tied names from its dict as it goes, on
+            # another thread than the sender's offer: each gets its own mapping.
+            return saved, write, dict(weights)
 
         overlap = not on_gpu and getattr(trainer, "supports_update_fence", False)
         copy: Future[Snapshot]

@@ -430,22 +430,32 @@ class PolicyTrainer(LogprobPasses):
         (state / TRAINER_STATE_FILE).write_text(json.dumps(saved, indent=2))
         return out
 
-    def save_later(self, *, weights_only: bool = False) -> Callable[..., Path] | None:
+    def small_state(self) -> tuple[Any, dict[str, Any]]:
+        """The minibatch RNG's state and ``trainer_state.json``'s record as of now:
+        what `save_later` on another thread must take from before the next step moves
+        them (the tensors wait for it behind `update_fence`)."""
+        return self._generator.get_state().clone(), self._saved_state()
+
+    def save_later(
+        self, *, weights_only: bool = False, small: tuple[Any, dict[str, Any]] | None = None
+    ) -> Callable[..., Path] | None:
         """What ``save`` would write now, copied to host memory, and a function that
         writes it later (same arguments as ``save``, same files; its ``weights`` is the
         copied state dict): the trainer goes on training while the checkpoint of the
         step before is written (``trainer_files.deferred_save``). None when this trainer
         saves only now (a LoRA adapter is megabytes; a backend with its own save).
-        `weights_only`: the policy directory alone, no trainer state."""
+        `weights_only`: the policy directory alone, no trainer state; `small`: the RNG
+        and record `small_state` took (default: now)."""
         if self.lora is not None or (
             type(self)._save_weights_and_optimizer is not PolicyTrainer._save_weights_and_optimizer
         ):
             return None
+        rng, saved = self.small_state() if small is None else small
         return deferred_save(
             self.model,
             self.optimizer,
-            self._generator.get_state(),
-            self._saved_state(),
+            rng,
+            saved,
             self.tokenizer,
             self._tokenizer_files,
             weights_only=weights_only,

@@ -102,14 +102,25 @@ def save_version(trainer: PolicyTrainer, local: Path, version: int) -> SavedVers
 
 
 def save_version_later(
-    trainer: PolicyTrainer, local: Path, version: int, *, weights_only: bool = False
+    trainer: PolicyTrainer,
+    local: Path,
+    version: int,
+    *,
+    weights_only: bool = False,
+    small: tuple[Any, dict[str, Any]] | None = None,
 ) -> tuple[SavedVersion, Callable[[], None], dict[str, Any]] | None:
     """`save_version` in two halves: the trainer's state copied to host memory now, and
     a function that writes it under `local` later (off the trainer's critical path);
     also the copied weights (a state dict). None when the trainer can only save now
     (`PolicyTrainer.save_later`). `weights_only`: the policy alone (a servable version
-    that is not to be durable): no trainer state is copied or written."""
-    write = trainer.save_later(weights_only=True) if weights_only else trainer.save_later()
+    that is not to be durable): no trainer state is copied or written. `small`: the
+    RNG state and record taken earlier (`PolicyTrainer.small_state`)."""
+    if weights_only:
+        write = trainer.save_later(weights_only=True)
+    elif small is not None:
+        write = trainer.save_later(small=small)
+    else:
+        write = trainer.save_later()
     if write is None:
         return None
     saved = SavedVersion(local / "policy", local / "trainer_state")

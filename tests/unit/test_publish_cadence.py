@@ -192,3 +192,31 @@ def test_the_snapshot_copies_the_published_weights_while_the_next_step_trains(co
     moved = trainer.model.state_dict()
     assert any(not torch.equal(moved[n], published[n]) for n in saved)  # training went on
     role.publisher.close()
+
+
+def test_a_trainer_resumed_from_a_snapshot_taken_beside_the_next_step_trains_on_exactly(
+    config, tiny_dir, tmp_path
+):
+    """The snapshot's tensors wait behind the update fence, and its RNG state and step
+    count are taken when the version is published: the next step, which draws its
+    minibatches from that RNG while the copy runs, does not leak into the checkpoint."""
+    uninterrupted = make_trainer(tiny_dir)
+    samples = batch(uninterrupted.model.config.vocab_size)
+    expected = [uninterrupted.train_step(samples)["loss/policy_loss"] for _ in range(5)]
+
+    role = start_run(config, tiny_dir)
+    trainer = make_trainer(tiny_dir)
+    losses = []
+    for version in (1, 2, 3):
+        losses.append(trainer.train_step(samples)["loss/policy_loss"])
+        role.publish(trainer, version, [scored_shard(config, version)], {})  # v3: durable
+    losses.append(trainer.train_step(samples)["loss/policy_loss"])  # beside v3's copy
+    role.publisher.servable.wait()
+    role.publisher.durable.wait()
+    assert role.registry.newest_durable().policy_version == 3
+
+    resumed = make_trainer(role.training_dir(role.registry.newest_durable(), tmp_path / "r"))
+    assert resumed.steps_done == 3
+    again = [resumed.train_step(samples)["loss/policy_loss"] for _ in range(2)]
+    assert losses == expected[:4] and again == expected[3:]
+    role.publisher.close()
