@@ -9,12 +9,11 @@ Loop (docs/design.md §1–2):
   samples with the synchronous loop's seeds for group n, and at η = 0 the groups of a
   batch go out as one request (one per server), so `mode: on_policy` does the same
   work as `sluice train --sync`;
-- a poller watches the registry alias; a newer committed version is fetched to local
-  disk *before* generation is paused, then pause → update_weights_from_disk →
-  continue (interruptible), or a plain update that drains in-flight requests first.
+- a poller watches the servable alias; a newer version is staged *before* generation is
+  paused, then pause → update → continue (interruptible), or an update that drains first.
 
-Resume: the group index n is re-based from the stream (groups already written); groups
-that were in flight when the role died are re-issued with the same index and prompt.
+Resume: n is re-based from the stream; groups in flight when the role died go again with
+the same index and prompt, and after a trainer restart so do those holding lost tokens.
 """
 
 from __future__ import annotations
@@ -61,14 +60,12 @@ from sluice.tasks.run.versions import lost_versions, serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
 
 log = logging.getLogger("sluice.rollout")
-
 FIRST_VERSION_TIMEOUT_S = 600.0
 """How long the rollout role waits for policy version 0 before it gives up."""
 PROFILE_INTERVAL_S = 10.0
 """How often the servers' measured step costs are read into the role's status."""
 PROFILE_READ_TIMEOUT_S = 5.0
-"""Longest a read of the step costs may take: it is bookkeeping, and a server that does
-not answer must not hold the role (least of all while it stops)."""
+"""Longest a read of the step costs may take (a silent server must not hold the role)."""
 
 
 class RolloutRole(Role):
@@ -154,9 +151,11 @@ class RolloutRole(Role):
         try:
             staged = await self.weights.stage(latest)
         except CheckpointIncomplete:
-            if not await asyncio.to_thread(superseded, self.registry, latest):
+            if latest.durable and not await asyncio.to_thread(superseded, self.registry, latest):
                 raise
-            return False  # retention let it go meanwhile: the next poll takes the newer one
+            # Retention let it go meanwhile, or it is servable only and its files were
+            # never written: the next poll takes the newer one.
+            return False
         started = time.monotonic()
         if self.config.rollout.interruptible:
             await client.pause(self.config.rollout.pause_mode)

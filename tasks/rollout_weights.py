@@ -122,13 +122,13 @@ class ServedWeights:
                     log.info("policy version %d not loaded: the run is over (%s)", number, exc)
                     return False
                 if not version.durable:  # servable only: its weights were in the sender
+                    # A sender gone with its trainer is no fault of the path: not counted.
                     log.warning(
                         "policy version %s not loaded: %s, and it is not durable (the next "
                         "poll takes the newest servable version)",
                         version.name,
                         exc,
                     )
-                    self.fast.count_failure()
                     return False
                 self.fast.count_failure()
                 self.stats.weight_fallbacks += 1

@@ -51,8 +51,9 @@ def test_crashes_between_served_and_durable_retrain_from_the_durable_version_and
     # The first durable write dies before it starts (v4 served, not durable); the next
     # one dies after its files are on storage, before the registry says durable; the
     # third trainer dies copying its first version while its next step trains.
+    # One armed at a time, the next once the one before has fired.
     kills = ("train.offered_not_durable", "train.written_not_committed", "train.copying")
-    plan.write_text(json.dumps(dict.fromkeys(kills, 1)))
+    plan.write_text(json.dumps({kills[0]: 1}))
     env = {**os.environ, ENV: str(plan)}
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
@@ -73,10 +74,13 @@ def test_crashes_between_served_and_durable_retrain_from_the_durable_version_and
     procs = {role: start(role) for role in ROLES}
     started = list(procs.values())
     try:
-        for failpoint in kills:
+        for index in range(len(kills)):
             assert procs["train"].wait(timeout=240) == -9, (log_dir / "train.log").read_text()
-            fired = [f["name"] for f in json.loads(plan.read_text()).get("fired", [])]
-            assert fired[-1] == failpoint, fired
+            record = json.loads(plan.read_text())
+            fired = [f["name"] for f in record.get("fired", [])]
+            assert fired == list(kills[: index + 1]), fired
+            if index + 1 < len(kills):
+                plan.write_text(json.dumps({**record, kills[index + 1]: 1}))
             procs["train"] = start("train")
             started.append(procs["train"])
         # The fourth trainer runs to the end; kill the rollout while it serves a version
