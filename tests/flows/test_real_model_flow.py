@@ -37,8 +37,11 @@ SMALL = {
     "trainer.total_steps": "2",
     "trainer.time_budget_s": "null",
     # A model this size gets many of these prompts all right or all wrong; the check
-    # here is that the trainer steps on a real model, not what it learns.
+    # here is that the trainer steps on a real model, not what it learns. A small
+    # entropy bonus moves the weights even when every group's rewards are equal (its
+    # seeded samples decide that, not the code under test).
     "trainer.advantage.drop_zero_variance_groups": "false",
+    "trainer.loss.entropy_coef": "0.01",
     "evaluation.every": "0",
     "evaluation.num_prompts": "4",
     "threads_per_role": "1",
@@ -84,7 +87,9 @@ def test_smollm2_trains_on_reasoning_gym_with_its_chat_template_and_end_token(
 
     scored = _rows(config, "smol", "scored")
     assert {row["task"] for row in scored} <= {"basic_arithmetic", "chain_sum"}
-    assert all(row["reward"] in (0.0, 1.0) for row in scored)
+    # reasoning-gym's own score: 1 for the answer, len(answer) / len(extracted) when the
+    # answer sits inside a longer number ("1" in "10": 0.5), else 0.
+    assert all(0.0 <= row["reward"] <= 1.0 for row in scored), {row["reward"] for row in scored}
 
     first = Path(registry.get(0).checkpoint_uri.removeprefix("file://"))
     last = Path(registry.get(2).checkpoint_uri.removeprefix("file://"))
