@@ -369,9 +369,12 @@ class Publisher:
         """Raise, on the role's thread, what a finished background job raised."""
         if self._writing is not None and self._writing.done():
             self._writing.result()
-        for job in list(self._registered.values()):
+        # A registration done is let go (a durable job may pop it first): skipped
+        # versions would otherwise keep one future each for the whole run.
+        for version, job in list(self._registered.items()):
             if job.done():
                 job.result()
+                self._registered.pop(version, None)
 
     def ack_durable(self) -> None:
         """Ack every shard a durable version now covers (after its commit)."""

@@ -8,20 +8,19 @@ issued again, and the books of the surviving lineage are clean (tasks/run/audit.
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from sluice.infra.config import load_config
 from sluice.infra.failpoints import ENV
 from sluice.infra.tracking import start_or_resume_run
-from sluice.tasks.process.supervisor import role_command
 from sluice.tasks.run.audit import audit_run
 from sluice.tasks.run.paths import run_paths, run_registry
 from sluice.tasks.run.prepare import ensure_version_zero
 from sluice.tasks.run.status import read_statuses
 from tests.flows.conftest import tiny_run_overrides
 from tests.integration.conftest import stop_process_group
+from tests.integration.test_resume_after_kill import start as start_role
 from tests.integration.test_resume_after_kill import wait_for
 
 pytestmark = pytest.mark.integration
@@ -59,14 +58,7 @@ def test_crashes_between_served_and_durable_retrain_from_the_durable_version_and
     log_dir.mkdir()
 
     def start(role):
-        with open(log_dir / f"{role}.log", "ab") as log:
-            return subprocess.Popen(
-                role_command(role, str(config_path), run_id, mlflow_run_id),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
+        return start_role(role, config_path, run_id, mlflow_run_id, log_dir, env)
 
     def step() -> int:
         return int(read_statuses(config, paths).get("train", {}).get("step", 0))

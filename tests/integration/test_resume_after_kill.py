@@ -30,7 +30,7 @@ once finished before its last kill that way; with kills two seconds apart, a 10-
 once finished before its second."""
 
 
-def start(role, config_path, run_id, mlflow_run_id, log_dir):
+def start(role, config_path, run_id, mlflow_run_id, log_dir, env=None):
     """A role as its own process group (what it starts goes with it at the end)."""
     with open(log_dir / f"{role}.log", "ab") as log:
         return subprocess.Popen(
@@ -38,6 +38,7 @@ def start(role, config_path, run_id, mlflow_run_id, log_dir):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
 
 
