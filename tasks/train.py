@@ -110,6 +110,8 @@ class TrainRole(TrainingRole):
         self.background = Background("trainer-metrics")
         self.watch = StepWatch(config, mlflow_run_id)
         self.lineage_dropped = 0
+        self.live: PolicyTrainer | None = None
+        """The trainer of `run`, once built: a stop makes the version it holds durable."""
         """Groups dropped for holding tokens of versions a crash lost."""
         self.publisher: Publisher | None = None
         """Set once the start version is known (`start_version`)."""
@@ -217,7 +219,7 @@ class TrainRole(TrainingRole):
             )
             firing = Firing("dynamic_sampling", step, float(drawn), "stop", reason)
             self.watch.note(firing)
-            self.stop_on_watchdog(firing)
+            self.stop_on_watchdog(firing, holds=step - 1)
 
     def rollouts_audit(self) -> StreamReader:
         """A reader of the rollouts stream that only looks (it never reads or acks)."""
@@ -242,12 +244,20 @@ class TrainRole(TrainingRole):
         if self.publisher is not None:
             self.publisher.finish(trainer, trained)
 
-    def stop_on_watchdog(self, firing: Firing) -> NoReturn:
+    def stop_on_watchdog(self, firing: Firing, holds: int | None = None) -> NoReturn:
         """End the role on a watchdog `stop`: the commit in flight finishes, the step
         that fired is not published, and one line names the signal and the newest
-        committed version, where a resume goes on (the flow raises it as
-        WatchdogStopped)."""
-        self.finish_publish()
+        durable version, where a resume goes on (the flow raises it as
+        WatchdogStopped).
+
+        A stop is a clean stop: when the trainer's tensors are still version `holds`
+        (the step that fired applied no update, or the stop came before the step), that
+        version is made durable first, so the servable-only versions before it
+        (`checkpoint.every_versions` > 1) are not lost. None: the step changed them, and
+        the run goes on from the newest durable version."""
+        self.finish_publish(
+            self.live if holds is not None else None, -1 if holds is None else holds
+        )
         self.background.close()
         if self.publisher is not None:
             self.publisher.close()
@@ -268,6 +278,7 @@ class TrainRole(TrainingRole):
             reference,
             start=RankStart(run_id=self.run_id, version=latest),
         )
+        self.live = trainer
         assert self.publisher is not None
         publisher = self.publisher
         publisher.start_sender()
@@ -328,7 +339,9 @@ class TrainRole(TrainingRole):
                 self.background.submit(
                     log_step_metrics, cfg, self.run_id, self.mlflow_run_id, stopped, version + 1
                 )
-                self.stop_on_watchdog(verdict)
+                # A refused update leaves the tensors at `version`: it can be made durable.
+                applied = metrics.get("train/applied_minibatches", 1.0) > 0
+                self.stop_on_watchdog(verdict, holds=None if applied else version)
             if verdict is not None and table is not None:  # skip: the batch was left out
                 self.watch.skipped_groups += len(set(table.column("group_id").to_pylist()))
             metrics.update(self.watch.step_metrics(firings))

@@ -83,3 +83,37 @@ def test_an_injected_mismatch_fires_the_watchdog_and_stop_leaves_a_resumable_run
         assert registry.get(version).tags["watchdog.kl_k3"] == f"step {version} (skip)"
     applied = get_metric_history(resumed.tracking.uri, mlflow_run, "train/applied_minibatches")
     assert sorted({s for s, _ in applied}) == [1, 2, 3] and {v for _, v in applied} == {0.0}
+
+
+def test_a_stop_makes_the_version_the_trainer_still_holds_durable(prefect_api, tmp_path):
+    """With versions durable every 10, version 1 is servable only when step 2 fires a
+    `stop` (two steps in a row over the limit): the refused step left the tensors at
+    version 1, so the stop makes it durable and a resume goes on from it, not from 0."""
+    from sluice.flows.train import train
+    from sluice.tasks.process.supervisor import WatchdogStopped
+
+    overrides = tiny_run_overrides(
+        tmp_path,
+        **{
+            "trainer.total_steps": 3,
+            "checkpoint.every_versions": 10,
+            "rollout.weight_noise_std": 1.0,
+            "trainer.watchdog.kl_k3.limit": 1e-3,
+            "trainer.watchdog.kl_k3.limit_steps": 2,
+            "trainer.watchdog.action": "stop",
+        },
+    )
+    config = load_config("default", overrides)
+    with pytest.raises(WatchdogStopped) as stopped:
+        train(config, run_id="held")
+    line = str(stopped.value)
+    assert "kl_k3 fired at step 2" in line and "last good version is 1" in line, line
+
+    registry = CheckpointRegistry(config.tracking.uri, registered_model_name(config, "held"))
+    assert [v.policy_version for v in registry.versions()] == [0, 1]
+    assert registry.get(1).tags["sluice.durable"] == "true"
+    assert registry.newest_durable().policy_version == 1
+    applied = get_metric_history(
+        config.tracking.uri, registry.get(0).run_id, "train/applied_minibatches"
+    )
+    assert dict(applied)[1] > 0  # step 1 trained: version 1 is not version 0 again
