@@ -13,6 +13,10 @@ inside. Output is capped inside the container (a small boot script reads the run
 pipes and stops it past the cap) and again by the log driver's size limit. Every
 container serves one run and is removed.
 
+Verdicts (`open_server`, used by ``sluice.engines.env.judge``): the container becomes
+the function server, and the container's own stdin and stdout, held attached by the
+parent, are the protocol's pipes; the tests run in the reward process, never in here.
+
 Warm pool: starting a container costs about two seconds under the vfs storage driver
 (which copies the image), far more than a verifier run. ``DockerSandbox`` keeps
 ``pool_size`` containers started ahead, each blocked on its stdin waiting for one run's
@@ -27,16 +31,21 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from sluice.engines.env.sandbox import (
     RUNNER_ENV,
+    MultiplexedChannel,
     SandboxResult,
+    attached_channel,
     classify,
     make_payload,
     runner_source,
+    server_source,
 )
 from sluice.infra.docker_servers import api_timeout_s
 from sluice.infra.extras import missing_extra_message
@@ -59,17 +68,33 @@ reward waits on a wedged engine. `DOCKER_CLIENT_TIMEOUT` overrides it."""
 _MAX_OUTPUT_BYTES = 1 << 20
 _WORKDIR = "/work"
 
-# PID 1 of a sandbox container: wait for one request on stdin, then run the runner in
-# /work with stdin from a file, read its pipes up to the cap (killing it past the cap),
-# and print one JSON line. The outer deadline kills the container, so none is kept here.
+# PID 1 of a sandbox container: wait for one request on stdin (a 4-byte length, then
+# JSON; read exactly, so nothing after it is consumed), write the payload in /work, then
+# either become the function server (mode "serve": its stdin/stdout are the container's,
+# which the parent holds attached) or run the runner with stdin from a file, read its
+# pipes up to the cap (killing it past the cap), and print one JSON line. The outer
+# deadline kills the container, so none is kept here.
 _BOOT = r"""
-import json, os, selectors, signal, subprocess, sys
+import json, os, selectors, signal, struct, subprocess, sys
 signal.alarm(IDLE_EXIT_S)
-request = json.loads(sys.stdin.buffer.read())
+
+def read_exactly(size):
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            sys.exit(0)
+        data += chunk
+    return bytes(data)
+
+request = json.loads(read_exactly(struct.unpack(">I", read_exactly(4))[0]))
 signal.alarm(0)
 os.chdir("/work")
 with open("payload.json", "w", encoding="utf-8") as fh:
     json.dump(request["payload"], fh)
+if request["mode"] == "serve":
+    python = sys.executable
+    os.execve(python, [python, "-I", "-c", request["runner"]], request["env"])
 with open("stdin.txt", "w", encoding="utf-8") as fh:
     fh.write(request["stdin"])
 cap = request["max_output_bytes"]
@@ -100,6 +125,12 @@ print(json.dumps({
     "over": over,
 }), flush=True)
 """
+
+
+def _framed(request: dict[str, Any]) -> bytes:
+    """A request to the boot script: its JSON, after a 4-byte big-endian length."""
+    body = json.dumps(request).encode()
+    return struct.pack(">I", len(body)) + body
 
 
 class SandboxUnavailable(RuntimeError):
@@ -298,15 +329,16 @@ class DockerSandbox:
     ) -> SandboxResult:
         """As ``sluice.engines.env.sandbox.run_python``, in a container of the pool."""
         payload = make_payload(code, tests, timeout_s, memory_mb, stdin)
-        request = json.dumps(
+        request = _framed(
             {
+                "mode": "run",
                 "payload": payload,
                 "stdin": stdin,
                 "runner": runner_source(),
                 "env": {**RUNNER_ENV, "HOME": _WORKDIR},
                 "max_output_bytes": _MAX_OUTPUT_BYTES,
             }
-        ).encode()
+        )
         started = time.monotonic()
         try:
             container = self._take()
@@ -332,6 +364,43 @@ class DockerSandbox:
                 container.kill()  # stopped now; deleted in the background
             self._used.put(container)
         return self._result(logs, status, state, str(payload["token"]), timed_out, duration_s)
+
+    @contextlib.contextmanager
+    def open_server(
+        self, code: str, timeout_s: float = 10.0, memory_mb: int = 512
+    ) -> Iterator[MultiplexedChannel]:
+        """A function server in a container of the pool that has loaded `code`, as a
+        channel over the container's attached stdin/stdout (see
+        `sluice.engines.env.judge`). The container is killed on exit and removed in
+        the background. Raises when no container starts or attaches."""
+        payload = make_payload(code, "", timeout_s, memory_mb)
+        del payload["token"]  # the server has no use for it: nothing it prints is a verdict
+        request = _framed(
+            {
+                "mode": "serve",
+                "payload": payload,
+                "stdin": "",
+                "runner": server_source(),
+                "env": {**RUNNER_ENV, "HOME": _WORKDIR},
+                "max_output_bytes": _MAX_OUTPUT_BYTES,
+            }
+        )
+        container = self._take()
+        raw: Any = None
+        try:
+            params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+            attached = container.attach_socket(params=params)
+            raw = getattr(attached, "_sock", attached)
+            raw.settimeout(max(timeout_s, 1.0))
+            raw.sendall(request)
+            yield attached_channel(raw.fileno())
+        finally:
+            if raw is not None:
+                with contextlib.suppress(OSError):
+                    raw.close()
+            with contextlib.suppress(Exception):
+                container.kill()
+            self._used.put(container)
 
     @staticmethod
     def _send(container: Any, request: bytes) -> None:

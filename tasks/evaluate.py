@@ -154,9 +154,7 @@ def eval_episodes(
 ) -> list[Episode]:
     """One multi-turn episode per evaluation request, the run's tools answering calls."""
     spec = episode_spec(config, tokenizer)
-    toolbox = ToolBox(
-        config.episode.tools, config.episode.tool_timeout_s, config.episode.tool_workers
-    )
+    toolbox = ToolBox.for_run(config)
     try:
         return run_on_engine(
             engine,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pebble import ProcessExpired
 
+from sluice.engines.env import confinement
 from sluice.engines.env.verifiers import load_verifier, outcome_of
 from sluice.engines.rl.samples import score_table
 from sluice.infra.checkpoints import CheckpointIncomplete
@@ -48,7 +48,7 @@ class VerifierPool:
     or one that kills its worker scores `incorrect`, pebble replaces that worker, and
     the other calls of the batch score as they would have.
 
-    With a container sandbox (``run_python``) the verifiers run in threads of this
+    With a container sandbox (``sandbox``) the verifiers run in threads of this
     process instead: the code runs in the containers, each run's deadline is enforced
     by killing its container, and one warm pool of containers serves every thread.
     """
@@ -60,22 +60,23 @@ class VerifierPool:
         timeout_s: float,
         correct: float,
         incorrect: float,
-        run_python: Callable[..., Any] | None = None,
+        sandbox: Any = None,
         closeness: float = 0.0,
     ):
         self.spec, self.workers, self.timeout_s = spec, workers, timeout_s
         self.correct, self.incorrect = correct, incorrect
         self.timeouts = 0
-        # Responses with no answer in the expected format; verifier calls that failed.
-        self.unparsed = self.errors = 0
+        # Responses with no answer in the expected format; verifier calls that failed;
+        # code rows whose tests cannot be judged by calls (excluded, never guessed).
+        self.unparsed = self.errors = self.unjudgeable = 0
         # The built-in checker is a string compare: a process hop would cost more than it.
         self.inline = spec == "builtin" and workers == 1
-        self.threads = run_python is not None
+        self.threads = sandbox is not None
         self.verifier = load_verifier(
             spec,
             correct_reward=correct,
             incorrect_reward=incorrect,
-            run_python=run_python,
+            sandbox=sandbox,
             numeric_closeness=closeness,
         )
         self._threads: cf.ThreadPoolExecutor | None = None
@@ -134,6 +135,7 @@ class VerifierPool:
         self.unparsed += outcome == "unparsed"
         self.errors += outcome == "error"
         self.timeouts += outcome == "timeout"
+        self.unjudgeable += outcome == "unjudgeable"
         return float(value)
 
     def close(self) -> None:
@@ -144,15 +146,23 @@ class VerifierPool:
             self._threads = None
 
 
-def code_sandbox(config: RunConfig) -> Any:
+def code_sandbox(config: RunConfig, *, for_tools: bool = False) -> Any:
     """The container sandbox the `code` verifier runs in, or None for the process one.
 
     `reward.sandbox: auto` takes containers where the docker package (the `docker`
     extra), an engine and the image are there, and says once why it does not otherwise;
     `docker` insists (``SandboxUnavailable``; the CLI refuses it without the extra).
+    `for_tools`: the sandbox of the `python` tool (`episode.tools`), chosen by the same
+    `reward.sandbox` whatever the verifier, so tool calls run where code rewards do.
     """
     reward = config.reward
-    if reward.verifier != "code" or reward.sandbox == "process":
+    if reward.sandbox == "process":
+        if for_tools or reward.verifier == "code":
+            log.info("reward.sandbox=process: %s", confinement.probe().line())
+        return None
+    if for_tools and "python" not in config.episode.tools:
+        return None
+    if not for_tools and reward.verifier != "code":
         return None
     from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
 
@@ -161,7 +171,18 @@ def code_sandbox(config: RunConfig) -> Any:
     except SandboxUnavailable as exc:
         if reward.sandbox == "docker":
             raise
-        log.warning("reward.sandbox=auto: %s; running code in the process sandbox", exc)
+        controls = confinement.probe()
+        if not controls.complete:
+            raise SandboxUnavailable(
+                f"reward.sandbox=auto: {exc}; the process sandbox does not isolate here "
+                f"({controls.line()}); set reward.sandbox: process to run model code in it "
+                "anyway"
+            ) from exc
+        log.warning(
+            "reward.sandbox=auto: %s; running code in the process sandbox (%s)",
+            exc,
+            controls.line(),
+        )
         return None
 
 
@@ -230,7 +251,7 @@ class RewardRole(Role):
             cfg.reward.timeout_s,
             cfg.reward.correct_reward,
             cfg.reward.incorrect_reward,
-            run_python=sandbox.run_python if sandbox is not None else None,
+            sandbox=sandbox,
             closeness=cfg.reward.numeric_closeness,
         )
 
@@ -251,6 +272,7 @@ class RewardRole(Role):
                 verifier_timeouts=pool.timeouts,
                 verifier_unparsed=pool.unparsed,
                 verifier_errors=pool.errors,
+                verifier_unjudgeable=pool.unjudgeable,
                 **self.progress(),
             )
 

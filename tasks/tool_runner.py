@@ -5,8 +5,9 @@ outcome into a `ToolResult` the episode can show the policy: the output, an erro
 a timeout. Nothing a tool does reaches the role as an exception.
 
 - ``calculator`` runs inline: bounded arithmetic, microseconds.
-- ``python`` runs the call in the reward sandbox (its own process, killed at its
-  deadline), from a thread so the event loop keeps serving other episodes.
+- ``python`` runs the call in the sandbox the `code` verifier uses (`reward.sandbox`:
+  a container of a warm pool, or the process sandbox; killed at its deadline), from a
+  thread so the event loop keeps serving other episodes (`ToolBox.for_run`).
 - a user tool ``module:function`` runs in a pool of spawned worker processes that
   imported it once (`CallPool`); a call past ``timeout_s`` is answered as a timeout and
   a call that kills its worker as an error, and only that call's worker is replaced:
@@ -17,6 +18,7 @@ a timeout. Nothing a tool does reaches the role as an exception.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import logging
 import math
@@ -78,8 +80,13 @@ def tool_name(spec: str) -> str:
 class ToolBox:
     """The tools of one run, callable as ``await toolbox(call_text)``."""
 
-    def __init__(self, specs: list[str], timeout_s: float, workers: int = 2) -> None:
+    def __init__(
+        self, specs: list[str], timeout_s: float, workers: int = 2, *, sandbox: Any = None
+    ) -> None:
+        """`sandbox`: where ``python`` calls run (a container sandbox, closed with the
+        box; None: the process sandbox)."""
         self.timeout_s = timeout_s
+        self._sandbox = sandbox
         self.workers = workers
         self.calls = self.errors = self.timeouts = 0
         self._user_specs = [s for s in specs if s not in BUILTIN_TOOLS]
@@ -88,7 +95,9 @@ class ToolBox:
         self._routes: dict[str, str] = {tool_name(spec): spec for spec in specs}
         if len(self._routes) != len(specs):
             raise ToolSpecError(f"two tools share a name in {specs}")
-        self._python = python_tool(timeout_s=timeout_s) if "python" in specs else None
+        self._python = (
+            python_tool(timeout_s=timeout_s, sandbox=sandbox) if "python" in specs else None
+        )
         self._pool = CallPool(workers, timeout_s, UserTools, self._user_specs)
 
     async def __call__(self, call: str) -> ToolResult:
@@ -130,8 +139,26 @@ class ToolBox:
             "tool_timeouts": self.timeouts,
         }
 
+    @classmethod
+    def for_run(cls, config: RunConfig) -> ToolBox:
+        """The run's tools, ``python`` in the sandbox `reward.sandbox` chooses (the
+        `code` verifier's: `sluice.tasks.reward.code_sandbox`)."""
+        from sluice.tasks.reward import code_sandbox
+
+        episode = config.episode
+        sandbox = code_sandbox(config, for_tools=True)
+        try:
+            return cls(episode.tools, episode.tool_timeout_s, episode.tool_workers, sandbox=sandbox)
+        except BaseException:
+            if sandbox is not None:
+                sandbox.close()
+            raise
+
     def close(self) -> None:
         self._pool.close()
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
 
 
 def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
@@ -158,12 +185,18 @@ def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
 def plain_tool(config: RunConfig) -> ToolFn:
     """The run's tools as one plain function of a call's text, in this process (the
     warm start's held-out check: a few hundred calls, no worker pool)."""
+    from sluice.tasks.reward import code_sandbox
+
     functions: dict[str, ToolFn] = {}
     for spec in config.episode.tools:
         if spec == "calculator":
             functions[tool_name(spec)] = calculator
         elif spec == "python":
-            functions[tool_name(spec)] = python_tool(timeout_s=config.episode.tool_timeout_s)
+            sandbox = code_sandbox(config, for_tools=True)
+            if sandbox is not None:  # containers of a pool: removed when the process ends
+                atexit.register(sandbox.close)
+            timeout_s = config.episode.tool_timeout_s
+            functions[tool_name(spec)] = python_tool(timeout_s=timeout_s, sandbox=sandbox)
         else:
             functions[tool_name(spec)] = load_user_tool(spec)
 

@@ -1,29 +1,35 @@
-"""Run untrusted model-written Python against unit tests in a locked-down subprocess.
+"""Run untrusted model-written Python in a locked-down subprocess.
 
-`run_python(code, tests, timeout_s, memory_mb)` is the stable interface the code
-verifier calls; the isolation behind it can be hardened later (containers, seccomp,
-user namespaces) without touching callers.
+Two ways in, one way a child starts (`_start_child`):
+- `open_server(code, ...)`: a function server (``function_server.py``) that loaded the
+  code and answers calls on its stdin/stdout; `sluice.engines.env.judge` runs the tests
+  in the parent against it. Every verdict comes this way.
+- `run_python(code, tests, timeout_s, memory_mb, stdin=...)`: a program (the `python`
+  tool's call); its stdout is the output. Its `passed` is not a verdict.
 
 What this default runner does, in layers:
 - a separate interpreter (``python -I``: no user site, no PYTHON* variables, script
   directory not on sys.path) in a fresh temporary working directory, with an
   environment that holds nothing but PATH/locale and single-threaded BLAS;
 - its own session, so the whole process group is killed on the wall-clock timeout
-  and again after every run (nothing a fork left behind survives);
-- kernel limits set by the runner before user code starts: address space
-  (RLIMIT_AS), CPU seconds (RLIMIT_CPU), file size 0 (RLIMIT_FSIZE: no byte reaches
-  any file), no core dumps, and RLIMIT_NPROC = 0, which blocks fork for non-root users;
-- Python-level guards, which also hold when running as root (where RLIMIT_NPROC is
-  not enforced): process creation (fork, exec, spawn, system, subprocess), sockets,
-  opening files for writing, and destructive filesystem calls raise SandboxViolation.
+  and again after every run;
+- kernel controls under everything else (`confinement.py`, applied before the runner
+  starts; `confinement.probe().line()` says which this machine offers): a PID
+  namespace (the kill is total), an unprivileged uid, Landlock (read Python's
+  installation and the work directory, write nothing) and a seccomp filter (no
+  sockets, no new processes, no ptrace, no setsid);
+- rlimits set by the runner before user code starts: address space (RLIMIT_AS), CPU
+  seconds (RLIMIT_CPU), file size 0 (RLIMIT_FSIZE), no core dumps;
+- Python-level guards, which give a clear SandboxViolation where the kernel would give
+  a bare EPERM: process creation, sockets, opening files for writing, destructive
+  filesystem calls, reading files outside the work directory and Python's installation.
 
-- reading files outside the work directory and Python's installation raises too.
-
-Known gap: code that loads native libraries (ctypes) can step around the Python-level
-guards; ``reward.sandbox: docker`` (``infra/docker_sandbox.py``) runs this same runner
-inside a locked-down container, where the kernel holds what the guards do not. A pass
-needs the test code to finish: the runner prints a per-run random token after the
-tests, and only output ending in that token counts as passed.
+Where the kernel controls are missing (`probe()` says which), code that loads native
+libraries (ctypes) can step around the Python-level guards: ``reward.sandbox: auto``
+then refuses to run model code outside containers, and ``docker``
+(``infra/docker_sandbox.py``) runs this same runner and server inside a locked-down
+container. `run_python` marks a program that ran to its end with a per-run token on stdout;
+the token lives in the same process as the code, which is why no verdict reads it.
 """
 
 from __future__ import annotations
@@ -38,9 +44,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from sluice.engines.env import confinement
+from sluice.engines.env.channel import MultiplexedChannel, PipeChannel
 
 Reason = Literal[
     "passed", "failed", "timeout", "blocked", "memory", "cpu_limit", "output_limit", "error"
@@ -49,6 +59,7 @@ Reason = Literal[
 # Exit code the runner uses when user code tripped a guard (even if it caught the error).
 _BLOCKED_EXIT = 86
 _MAX_OUTPUT_BYTES = 1 << 20
+_SERVER_FILES = ("wire.py", "function_server.py")
 
 
 @dataclass(frozen=True)
@@ -71,9 +82,9 @@ class SandboxResult:
     """Wall-clock seconds the subprocess ran."""
 
 
-# The runner is a fixed script; the payload (code, tests, limits, token) arrives as a
-# JSON file that the runner deletes before any user code runs.
-_RUNNER = r'''
+# The guards: limits and Python-level denials, installed by the runner (and by the
+# function server) after it read its payload and before any user code runs.
+_GUARDS = r'''
 import builtins, io, json, os, resource, sys
 
 
@@ -81,11 +92,7 @@ class SandboxViolation(PermissionError):
     """Raised by every guard of the Sluice sandbox."""
 
 
-def _main():
-    with open("payload.json", encoding="utf-8") as fh:
-        payload = json.load(fh)
-    os.remove("payload.json")
-    token = payload["token"]
+def _install_guards(payload):
     violations = []
 
     def deny(what):
@@ -100,10 +107,6 @@ def _main():
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-    except (ValueError, OSError):
-        pass
 
     import posix
     for mod in (os, posix):
@@ -175,6 +178,20 @@ def _main():
     builtins.open = guarded_open
     io.open = guarded_open
     os.open = guarded_os_open
+    return violations
+'''
+
+# The program runner (`run_python`): code, then tests, then the token. The payload
+# (code, tests, limits, token) arrives as a JSON file that it deletes before any user
+# code runs. Its `passed` is a convenience for the `python` tool, not a verdict: the
+# token lives in the same process as the code (`judge` gives verdicts).
+_RUN_MAIN = r"""
+def _main():
+    with open("payload.json", encoding="utf-8") as fh:
+        payload = json.load(fh)
+    os.remove("payload.json")
+    token = payload["token"]
+    violations = _install_guards(payload)
 
     def run(source, filename):
         try:
@@ -207,7 +224,7 @@ def _exit_code(violations, default):
     return BLOCKED_EXIT if violations else default
 
 _main()
-'''
+"""
 
 
 def _python_executable() -> str:
@@ -256,7 +273,16 @@ def _collect(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes,
 def runner_source() -> str:
     """The runner script: reads ``payload.json`` from its working directory, deletes it,
     sets the limits and guards, runs the code and tests, prints the token if they passed."""
-    return _RUNNER.replace("BLOCKED_EXIT", str(_BLOCKED_EXIT))
+    return _GUARDS + _RUN_MAIN.replace("BLOCKED_EXIT", str(_BLOCKED_EXIT))
+
+
+def server_source() -> str:
+    """The function server's script: the guards, the wire format, and
+    ``function_server.py``, which reads ``payload.json``, runs the code and answers calls
+    on its stdin/stdout (see `sluice.engines.env.judge`)."""
+    here = Path(__file__).parent
+    parts = [(here / name).read_text(encoding="utf-8") for name in _SERVER_FILES]
+    return "\n".join([_GUARDS, *parts, "_serve(_install_guards, sys.modules[__name__])\n"])
 
 
 # The runner's whole environment: PATH and locale, and single-threaded BLAS libraries,
@@ -351,20 +377,10 @@ def run_python(
         # its input cannot block the parent before the deadline starts counting.
         stdin_path = Path(workdir, "stdin.txt")
         stdin_path.write_text(stdin, encoding="utf-8")
-        env = {**RUNNER_ENV, "HOME": workdir}
         started = time.monotonic()
         try:
             with stdin_path.open("rb") as stdin_file:
-                process = subprocess.Popen(
-                    [_python_executable(), "-I", "-c", runner_source()],
-                    cwd=workdir,
-                    env=env,
-                    stdin=stdin_file,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    close_fds=True,
-                )
+                process = _start_child(workdir, runner_source(), stdin_file)
         except OSError as exc:
             return SandboxResult(False, "", f"could not start the sandbox: {exc}", "error")
         try:
@@ -383,3 +399,49 @@ def run_python(
         duration_s=duration_s,
         output_limited=over,
     )
+
+
+def _start_child(workdir: str, source: str, stdin: Any) -> subprocess.Popen[bytes]:
+    """The one place a sandboxed interpreter starts: ``python -I -c source`` in
+    `workdir`, with nothing of this process's environment but `RUNNER_ENV`, in its own
+    session (so the whole group can be killed), stdout and stderr piped; under the
+    kernel controls this machine offers (`confinement.wrap`: a PID namespace, an
+    unprivileged uid, Landlock and seccomp), applied before `source` runs."""
+    return subprocess.Popen(
+        [_python_executable(), "-I", "-c", confinement.wrap(source)],
+        cwd=workdir,
+        env={**RUNNER_ENV, "HOME": workdir},
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
+@contextlib.contextmanager
+def open_server(code: str, timeout_s: float = 10.0, memory_mb: int = 512) -> Iterator[PipeChannel]:
+    """A function server (`server_source`) that has loaded `code`, as a `PipeChannel`
+    to its stdin/stdout; killed with its whole process group on exit. The channel's
+    deadlines are the caller's (`sluice.engines.env.judge`); `timeout_s` sets the
+    child's CPU limit. Raises OSError when the interpreter cannot start."""
+    payload = make_payload(code, "", timeout_s, memory_mb)
+    del payload["token"]  # the server has no use for it: nothing it prints is a verdict
+    with tempfile.TemporaryDirectory(prefix="sluice-sandbox-") as workdir:
+        Path(workdir, "payload.json").write_text(json.dumps(payload), encoding="utf-8")
+        process = _start_child(workdir, server_source(), subprocess.PIPE)
+        try:
+            yield PipeChannel(process)
+        finally:
+            _kill_group(process)
+            process.wait()
+            for pipe in (process.stdin, process.stdout, process.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
+
+def attached_channel(fd: int) -> MultiplexedChannel:
+    """The channel to a function server whose stdin and stdout are one multiplexed
+    socket (a container's attach stream: ``infra/docker_sandbox.py``)."""
+    return MultiplexedChannel(fd)

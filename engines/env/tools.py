@@ -7,8 +7,9 @@ episode shows the model as an error observation. The built-in ones:
 - ``calculator``: integer and decimal arithmetic (``+ - * / // % **`` and brackets),
   evaluated over Python's syntax tree, never ``eval``; operands and results are bounded,
   so no call runs long or builds a huge number;
-- ``python``: the call is a Python program, run in the reward sandbox
-  (`sluice.engines.env.sandbox.run_python`); its standard output is the tool output.
+- ``python``: the call is a Python program, run in the sandbox the ``code`` verifier
+  uses (`reward.sandbox`; ``run_python`` of the process or container sandbox); its
+  standard output is the tool output.
 
 User tools are imported by ``module:function`` and run by the rollout role with a
 deadline (tasks/tool_runner.py). With one tool configured the whole call is its input; with
@@ -21,6 +22,7 @@ import ast
 import operator
 from collections.abc import Callable, Collection
 from decimal import ROUND_FLOOR, Decimal, DivisionByZero, InvalidOperation, localcontext
+from typing import Any
 
 ToolFn = Callable[[str], str]
 """A tool: the text of a call in, the text of its output out (raises ToolError)."""
@@ -57,8 +59,8 @@ _BINARY: dict[type[ast.operator], Callable[[Decimal, Decimal], Decimal]] = {
 
 
 def _bounded(value: Decimal) -> Decimal:
-    digits = len(value.to_integral_value().as_tuple().digits)
-    if digits > MAX_DIGITS:
+    # Magnitude, not the digits the Decimal stores: 1e300 is one digit, 301 places.
+    if not value.is_finite() or (value and value.adjusted() >= MAX_DIGITS):
         raise ToolError(f"number too large (over {MAX_DIGITS} digits)")
     return value
 
@@ -75,6 +77,8 @@ def _evaluate(node: ast.AST) -> Decimal:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and (abs(right) > MAX_EXPONENT or right != int(right)):
             raise ToolError(f"exponent must be a whole number up to {MAX_EXPONENT}")
+        if isinstance(node.op, ast.Pow) and left == 0 and right < 0:
+            raise ToolError("division by zero")
         try:
             return _bounded(_BINARY[type(node.op)](left, right))
         except (DivisionByZero, InvalidOperation, ZeroDivisionError):
@@ -84,7 +88,9 @@ def _evaluate(node: ast.AST) -> Decimal:
 
 def calculator(expression: str) -> str:
     """The value of an arithmetic expression: whole numbers exactly, others to 12
-    significant digits with trailing zeros dropped (``7/2`` is ``3.5``)."""
+    places after the point with trailing zeros dropped (``7/2`` is ``3.5``). Every
+    operand and result is below 10**MAX_DIGITS in magnitude; anything else, or any call
+    it cannot answer, raises ToolError with one line, never another exception."""
     text = expression.strip()
     if not text:
         raise ToolError("empty expression")
@@ -94,18 +100,28 @@ def calculator(expression: str) -> str:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
         raise ToolError(f"cannot read {text!r} as arithmetic") from None
-    with localcontext() as context:
-        context.prec = MAX_DIGITS + 10
-        value = _evaluate(tree)
-        if value == value.to_integral_value():
-            return str(int(value))
-        return format(value.quantize(Decimal(1).scaleb(-12)).normalize(), "f")
+    try:
+        with localcontext() as context:
+            # Room for every whole digit and the 12 shown after the point.
+            context.prec = MAX_DIGITS + 20
+            value = _evaluate(tree)
+            if value == value.to_integral_value():
+                return str(int(value))
+            return format(value.quantize(Decimal(1).scaleb(-12)).normalize(), "f")
+    except ToolError:
+        raise
+    except (ArithmeticError, ValueError, RecursionError, MemoryError):
+        # Whatever Decimal or the tree walk refuses is the call's error, never a crash.
+        raise ToolError(f"cannot compute {text!r} within {MAX_DIGITS} digits") from None
 
 
-def python_tool(timeout_s: float = 5.0, memory_mb: int = 256) -> ToolFn:
-    """A tool that runs the call as a Python program in the sandbox; its output is what
-    the program printed (an error's last line when it failed)."""
-    from sluice.engines.env.sandbox import run_python
+def python_tool(timeout_s: float = 5.0, memory_mb: int = 256, sandbox: Any = None) -> ToolFn:
+    """A tool that runs the call as a Python program in `sandbox` (an object with
+    ``run_python``, e.g. a container sandbox; None: the process sandbox); its output is
+    what the program printed (an error's last line when it failed). Not a verdict."""
+    from sluice.engines.env import sandbox as process_sandbox
+
+    run_python = (sandbox or process_sandbox).run_python
 
     def run(code: str) -> str:
         result = run_python(code, timeout_s=timeout_s, memory_mb=memory_mb)

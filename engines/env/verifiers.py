@@ -10,14 +10,17 @@ Built-in verifiers:
 - ``math``:    `math_verify` parse + verify (boxed answers, fractions vs decimals,
                LaTeX vs plain), under a wall-clock guard because symbolic
                comparison can hang on adversarial input;
-- ``code``:    runs the response's Python against the row's tests in the sandbox
-               (a HumanEval row: HumanEval's prompt and the completion, then its tests);
+- ``code``:    judges the response's Python against the row's tests: the tests run
+               in the reward process, the response's functions in the sandbox
+               (`sluice.engines.env.judge`; a HumanEval row: HumanEval's prompt and
+               the completion against its ``check``);
 - ``reasoning_gym``: the reasoning-gym task's own ``score_answer`` on the answer the
                row's extraction finds (``<answer>`` tags, ``\\boxed{}``, last number).
 
 A verifier may return a `Score`, a float that also says why it is what it is
 (``unparsed``: no answer in the expected format; ``error``: the checker failed;
-``timeout``: it ran out of time); the reward role counts them.
+``timeout``: it ran out of time; ``unjudgeable``: a code row whose tests cannot be
+judged by calls); the reward role counts them.
 
 Rewards default to correct=1.0 / incorrect=0.0; AReaL uses +5 / -5 (`RewardScale`).
 A plugin ``package.module:function`` returns its own float (a bool is mapped through
@@ -43,7 +46,7 @@ from sluice.engines.env.problems.longtail import LongTailSum
 from sluice.engines.env.problems.registry import BUILTIN_PROBLEMS
 
 if TYPE_CHECKING:
-    from sluice.engines.env.sandbox import SandboxResult
+    from sluice.engines.env.judge import CodeSandbox
 
 log = logging.getLogger(__name__)
 
@@ -241,54 +244,47 @@ def code_verifier(
     scale: RewardScale = RewardScale(),
     timeout_s: float = 10.0,
     memory_mb: int = 512,
-    run_python: Callable[..., SandboxResult] | None = None,
+    sandbox: CodeSandbox | None = None,
 ) -> Verifier:
-    """Run the response's code against the row's tests in the sandbox.
+    """Judge the response's code against the row's tests (`sluice.engines.env.judge`).
 
-    Row formats: `tests` as Python source (asserts) or a list of such snippets, run
-    after the code; or `tests` as {"inputs": [...], "outputs": [...]} stdin/stdout
-    pairs, every pair must match (trailing whitespace ignored). A row of the
-    ``humaneval`` problem runs HumanEval's prompt completed by the response, then the
-    row's test program (`sluice.engines.env.problems.humaneval.run_tests`); it scores as
-    ``Score(incorrect, "unparsed")`` when the response holds no Python program and
-    ``"timeout"`` past the deadline. The budget `timeout_s` applies per sandbox run.
-    `run_python`: the sandbox (``sluice.engines.env.sandbox.run_python``, the process
-    sandbox, unless another is given).
+    Row formats: `tests` as Python source (asserts) or a list of such snippets, run in
+    this process against the response's functions, which run in the sandbox; or `tests`
+    as {"inputs": [...], "outputs": [...]} stdin/stdout pairs, every pair must match
+    (trailing whitespace ignored). A row of the ``humaneval`` problem judges HumanEval's
+    prompt completed by the response against its ``check(entry_point)``
+    (`sluice.engines.env.problems.humaneval.run_tests`); it scores as
+    ``Score(incorrect, "unparsed")`` when the response holds no Python program. Past the
+    deadline a response scores ``Score(incorrect, "timeout")``; a row whose tests cannot
+    be judged by calls ``"unjudgeable"`` (excluded and counted, never judged by exit
+    status or output). `timeout_s` bounds each judgement. `sandbox`: where the code runs
+    (None: the process sandbox, ``sluice.engines.env.sandbox``).
     """
+    from sluice.engines.env.judge import judge
     from sluice.engines.env.problems import humaneval
-    from sluice.engines.env.sandbox import run_python as run_in_process
 
-    run: Callable[..., SandboxResult] = run_python or run_in_process
-
-    def passes(row: PromptRow, code: str) -> bool:
+    def verdict_score(row: PromptRow, code: str) -> float:
         tests = row.get("tests")
         if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
             tests = "\n".join(tests)
-        if isinstance(tests, str):
-            return run(code, tests, timeout_s=timeout_s, memory_mb=memory_mb).passed
-        if (
-            isinstance(tests, dict)
-            and isinstance(tests.get("inputs"), list)
-            and isinstance(tests.get("outputs"), list)
-        ):
-            pairs = list(zip(tests["inputs"], tests["outputs"], strict=False))
-            if not pairs or len(tests["inputs"]) != len(tests["outputs"]):
-                log.warning(
-                    "code verifier: row %s has unequal or empty inputs/outputs",
-                    row.get("prompt_id"),
-                )
-                return False
-            for given, expected in pairs:
-                result = run(code, "", timeout_s=timeout_s, memory_mb=memory_mb, stdin=str(given))
-                if not result.passed or result.stdout.rstrip() != str(expected).rstrip():
-                    return False
-            return True
-        log.warning("code verifier: row %s has no usable 'tests'", row.get("prompt_id"))
-        return False
+        if not isinstance(tests, (str, dict)):
+            log.warning("code verifier: row %s has no usable 'tests'", row.get("prompt_id"))
+            return Score(scale.incorrect, "unjudgeable")
+        verdict = judge(code, tests, timeout_s=timeout_s, memory_mb=memory_mb, sandbox=sandbox)
+        if verdict.reason in ("unjudgeable", "error"):
+            log.warning(
+                "code verifier: row %s is %s: %s",
+                row.get("prompt_id"),
+                verdict.reason,
+                verdict.detail,
+            )
+        if verdict.reason in ("timeout", "unjudgeable", "error"):
+            return Score(scale.incorrect, verdict.reason)
+        return scale(verdict.passed)
 
     def verify_humaneval(row: PromptRow, response_text: str) -> float:
         try:
-            passed, outcome = humaneval.run_tests(row, response_text, run, timeout_s, memory_mb)
+            passed, outcome = humaneval.run_tests(row, response_text, sandbox, timeout_s, memory_mb)
         except Exception as exc:
             log.warning("code verifier failed on HumanEval row %s: %s", row.get("prompt_id"), exc)
             return Score(scale.incorrect, "error")
@@ -300,7 +296,7 @@ def code_verifier(
         if not isinstance(response_text, str) or not response_text.strip():
             return scale.incorrect
         try:
-            return scale(passes(row, extract_code(response_text)))
+            return verdict_score(row, extract_code(response_text))
         except Exception as exc:
             log.warning("code verifier failed on %s: %s", _preview(response_text), exc)
             return scale.incorrect
@@ -402,7 +398,7 @@ def load_verifier(
     incorrect_reward: float = 0.0,
     timeout_s: float = 10.0,
     memory_mb: int = 512,
-    run_python: Callable[..., SandboxResult] | None = None,
+    sandbox: CodeSandbox | None = None,
     numeric_closeness: float = 0.0,
 ) -> Verifier:
     """A verifier from `spec`: "builtin", "math", "code", "reasoning_gym" or
@@ -411,8 +407,8 @@ def load_verifier(
     `numeric_closeness` (κ in [0, 1)) is the reasoning_gym verifier's partial credit for
     wrong numeric answers (see `reasoning_gym_verifier`); other specs refuse a non-zero κ.
 
-    `run_python` is the sandbox the `code` verifier runs code in (default: the process
-    sandbox).
+    `sandbox` is where the `code` verifier runs the response's code (default: the
+    process sandbox); its tests run in this process (`sluice.engines.env.judge`).
 
     Raises VerifierSpecError naming the spec when the module cannot be imported, the
     attribute is missing, or it is not callable.
@@ -443,7 +439,7 @@ def load_verifier(
     if spec == "reasoning_gym":
         return reasoning_gym_verifier(scale, timeout_s=timeout_s, closeness=numeric_closeness)
     if spec == "code":
-        return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb, run_python=run_python)
+        return code_verifier(scale, timeout_s=timeout_s, memory_mb=memory_mb, sandbox=sandbox)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise VerifierSpecError(

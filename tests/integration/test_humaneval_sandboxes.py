@@ -53,7 +53,7 @@ def test_the_reward_pool_scores_humaneval_and_counts_unparsed_answers() -> None:
 
 @pytest.mark.docker
 def test_humaneval_scores_alike_in_containers(sandbox) -> None:
-    verify = load_verifier("code", timeout_s=3.0, run_python=sandbox.run_python)
+    verify = load_verifier("code", timeout_s=3.0, sandbox=sandbox)
     rows = rows_by_id()
     problem = HumanEvalProblem()
     for task_id in ("HumanEval/0", "HumanEval/32", "HumanEval/38", "HumanEval/163"):
@@ -84,7 +84,7 @@ def test_a_humaneval_run_takes_containers_where_an_engine_answers(sandbox) -> No
     chosen = code_sandbox(config)
     assert isinstance(chosen, DockerSandbox)
     try:
-        verify = load_verifier("code", timeout_s=5.0, run_python=chosen.run_python)
+        verify = load_verifier("code", timeout_s=5.0, sandbox=chosen)
         assert verify(rows_by_id()["HumanEval/53"], "    return x + y\n") == 1.0
     finally:
         chosen.close()

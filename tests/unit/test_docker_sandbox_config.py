@@ -40,3 +40,24 @@ def test_auto_falls_back_to_the_process_sandbox_and_docker_refuses_without_an_en
         code_sandbox(load_config("default", [*code, "reward.sandbox=docker"]))
     # Verifiers that run no code start no sandbox, whatever the key says.
     assert code_sandbox(load_config("default", ["reward.sandbox=docker"])) is None
+
+
+def test_the_python_tool_takes_the_code_verifiers_sandbox_choice(tmp_path, monkeypatch):
+    """`episode.tools: [python]` runs where `reward.sandbox` says, whatever the verifier:
+    `docker` insists on an engine for the tool too; `process` keeps it in the process
+    sandbox; a run without the python tool starts no sandbox for tools."""
+    from sluice.infra.config import load_config
+    from sluice.infra.docker_sandbox import SandboxUnavailable
+    from sluice.tasks.reward import code_sandbox
+    from sluice.tasks.tool_runner import ToolBox
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-engine.sock'}")
+    python = ["episode.tools=[python]"]
+    with pytest.raises(SandboxUnavailable, match="needs a Docker engine"):
+        ToolBox.for_run(load_config("default", [*python, "reward.sandbox=docker"]))
+    box = ToolBox.for_run(load_config("default", [*python, "reward.sandbox=process"]))
+    try:
+        assert box._sandbox is None
+    finally:
+        box.close()
+    assert code_sandbox(load_config("default", ["reward.sandbox=docker"]), for_tools=True) is None

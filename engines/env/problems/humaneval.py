@@ -19,8 +19,9 @@ How this problem uses it:
 - the row's ``answer`` is the test program (``test`` then ``check(entry_point)``); its
   extra field ``humaneval`` carries HumanEval's prompt, the entry point and how the
   completion is read from a response, so the ``code`` verifier
-  (`sluice.engines.env.verifiers`) runs ``program + answer`` in the sandbox
-  (`run_tests`) without this module's data.
+  (`sluice.engines.env.verifiers`) judges the program against ``answer`` (`run_tests`)
+  without this module's data: the tests run in the reward process, the program's
+  function in the sandbox (`sluice.engines.env.judge`).
 
 How a program is read from a response (`extraction`):
 - ``raw``: the response continues HumanEval's prompt. It is cut at the first of
@@ -47,7 +48,6 @@ import importlib.resources
 import io
 import json
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from sluice.engines.env.problems.base import (
@@ -61,7 +61,7 @@ from sluice.engines.env.problems.base import (
 )
 
 if TYPE_CHECKING:
-    from sluice.engines.env.sandbox import SandboxResult
+    from sluice.engines.env.judge import CodeSandbox
 
 ROW_KEY = "humaneval"
 """The row's extra field with HumanEval's prompt, entry point and the extraction."""
@@ -167,30 +167,58 @@ def program_of(code_prompt: str, response_text: Any, extraction: str) -> str | N
     return program if _compiles(program) else None
 
 
+def trusted_setup(code_prompt: str, entry_point: str) -> str:
+    """HumanEval's prompt without the entry point's definition: its imports and helpers
+    (``poly``, ``encode_cyclic``), which the tests call. The verdict runs these from the
+    dataset, not the response's copies (a response could redefine a helper the tests
+    trust); '' when the prompt does not parse."""
+    try:
+        tree = ast.parse(code_prompt)
+    except Exception:
+        return ""
+    lines = io.StringIO(code_prompt, newline="").readlines()
+    for node in reversed(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            del lines[first - 1 : node.end_lineno]
+    return "".join(lines)
+
+
 def run_tests(
     row: PromptRow,
     response_text: Any,
-    run_python: Callable[..., SandboxResult],
+    sandbox: CodeSandbox | None,
     timeout_s: float,
     memory_mb: int,
 ) -> tuple[bool, str | None]:
-    """(passed, outcome) of a response to a HumanEval row, run in `run_python`'s sandbox.
+    """(passed, outcome) of a response to a HumanEval row, judged by
+    `sluice.engines.env.judge.judge`: the tests run in this process, the response's
+    function in `sandbox` (None: the process sandbox).
 
-    outcome is None for a run that passed or failed its asserts (or raised, or tripped a
-    guard), ``"unparsed"`` when the response holds no program (nothing is run),
-    ``"timeout"`` past the deadline or the CPU limit, ``"error"`` when the sandbox could
-    not run it. Raises on a row without the ``humaneval`` field.
+    outcome is None for a run that passed or failed (a wrong value, an exception, a
+    tripped guard, code that did not load), ``"unparsed"`` when the response holds no
+    program (nothing is run), ``"timeout"`` past the deadline, ``"unjudgeable"`` when the
+    row's tests cannot be judged by calls, ``"error"`` when the sandbox could not run
+    it. Raises on a row without the ``humaneval`` field.
     """
+    from sluice.engines.env.judge import judge
+
     spec = row[ROW_KEY]
     program = program_of(str(spec["prompt"]), response_text, str(spec.get("extraction", "raw")))
     if program is None:
         return False, "unparsed"
-    result = run_python(program, str(row["answer"]), timeout_s=timeout_s, memory_mb=memory_mb)
-    if result.reason in ("timeout", "cpu_limit"):
-        return False, "timeout"
-    if result.reason == "error":
-        return False, "error"
-    return result.passed, None
+    setup = trusted_setup(str(spec["prompt"]), str(spec["entry_point"]))
+    verdict = judge(
+        program,
+        str(row["answer"]),
+        setup=setup,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        sandbox=sandbox,
+    )
+    if verdict.reason in ("timeout", "unjudgeable", "error"):
+        return False, verdict.reason
+    return verdict.passed, None
 
 
 class HumanEvalProblem:
@@ -278,10 +306,8 @@ class HumanEvalProblem:
 
     def check_answer(self, row: PromptRow, response_text: str) -> bool:
         """Whether the response passes the row's tests in the process sandbox. Never raises."""
-        from sluice.engines.env.sandbox import run_python
-
         try:
-            passed, _ = run_tests(row, response_text, run_python, 10.0, 512)
+            passed, _ = run_tests(row, response_text, None, 10.0, 512)
         except Exception:
             return False
         return passed
