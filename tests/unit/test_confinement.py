@@ -393,3 +393,22 @@ def test_the_runner_dies_like_the_sandbox_expects(controls) -> None:
     source = "import os, resource, signal\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
     killed = _run(source + "os.kill(os.getpid(), signal.SIGXCPU)\n", {}, controls=controls)
     assert killed.returncode == -signal.SIGXCPU
+
+
+# ---- through the sandbox itself ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_every_escape_fails_in_the_sandbox_model_code_runs_in(name, target, listener):
+    """The same attacks as a program of the `python` tool (`run_python`: the guards, the
+    rlimits and the kernel controls together): none escapes, the file outside keeps its
+    bytes, the listener sees no connection and nothing outlives the run."""
+    from sluice.engines.env.sandbox import run_python
+
+    result = run_python(f"TARGET = {target!r}\n{ESCAPES[name]}", timeout_s=20.0)
+    assert "done" in result.stdout.splitlines(), result.stdout + result.stderr  # it ran
+    assert "escaped:" not in result.stdout, result.stdout + result.stderr
+    assert Path(target["victim_path"]).read_bytes() == b"checkpoint bytes"
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    assert _none_left(target["token"])
