@@ -11,8 +11,10 @@ import sys
 
 
 def fail(err: Exception | str, code: int = 2) -> int:
-    """One error line on stderr; the exit code."""
-    print(f"sluice: error: {err}", file=sys.stderr)
+    """One error line on stderr, credentials of the config hidden; the exit code."""
+    from sluice.infra.secrets import redact_text
+
+    print(f"sluice: error: {redact_text(str(err))}", file=sys.stderr)
     return code
 
 

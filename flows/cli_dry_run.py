@@ -22,6 +22,7 @@ import yaml
 
 from sluice.infra.config import RunConfig
 from sluice.infra.run_modes import describe_mode
+from sluice.infra.secrets import redact_config
 from sluice.tasks.run.threads import role_threads
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -295,7 +296,7 @@ def dry_run_report(config: RunConfig, config_name: str, sync: bool, resume: str 
     source = f"run {resume}'s saved config" if resume else f"config {config_name}"
     lines = [
         f"# sluice train --dry-run: {source}, resolved and checked; nothing was started",
-        yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).rstrip(),
+        yaml.safe_dump(redact_config(config.model_dump(mode="json")), sort_keys=False).rstrip(),
         "",
         f"Would start ({kind} run {where}; {os.cpu_count()} CPU cores here, device {config.device}):",
     ]

@@ -21,7 +21,10 @@ def run_eval(config: RunConfig, run_id: str, version: int | None = None) -> int:
         return fail(err)
     except (TrackingError, RegistryError) as err:
         return fail(err, code=1)
-    result = evaluate(config, run_id=run_id, version=version)
+    from sluice.flows.run_secrets import hand_over
+
+    # The flow's parameters are stored by Prefect: credentials travel in a 0600 file.
+    result = evaluate(hand_over(config, run_id), run_id=run_id, version=version)
     print(format_eval_result(result))
     return 0
 

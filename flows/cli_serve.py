@@ -12,8 +12,11 @@ def run_serve(config: RunConfig) -> int:
     from prefect.settings import get_current_settings
 
     from sluice.flows.deployments import build_deployments, next_steps
+    from sluice.flows.run_secrets import hand_over
 
-    deployments = build_deployments(config)
+    # Credentials stay out of the deployments' parameters: the served runs read this
+    # process's 0600 file (flows/run_secrets.py).
+    deployments = build_deployments(hand_over(config, None))
     settings = get_current_settings()
     print(next_steps(deployments, settings.api.url, settings.ui_url), flush=True)
     serve(*deployments, print_starting_message=False)

@@ -51,11 +51,14 @@ def print_start(config: RunConfig, run_id: str, resume: bool = False) -> None:
 
 def run_train(config: RunConfig, resume: str | None = None, sync: bool = False) -> int:
     from sluice.flows.run_claim import new_run_id
+    from sluice.flows.run_secrets import hand_over
     from sluice.tasks.process.supervisor import RunStopped, quiet_run_stopped_tracebacks
 
     quiet_run_stopped_tracebacks()
     run_id = resume or new_run_id(config)
     print_start(config, run_id, resume=bool(resume))
+    # The flow's parameters are stored by Prefect: credentials travel in a 0600 file.
+    config = hand_over(config, run_id)
     if sync:
         from sluice.flows.train_sync import train_sync
 

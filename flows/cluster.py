@@ -293,6 +293,7 @@ class RayRoles:
         from prefect_ray.context import remote_options
 
         from sluice.tasks.process.supervisor import run_role_on_node
+        from sluice.tasks.run.credential import run_token
 
         self.submitted_at[role] = time.monotonic()
         options = self.config.cluster.placement(role).ray_options()
@@ -311,6 +312,9 @@ class RayRoles:
                     "run_id": self.run_id,
                     "mlflow_run_id": self.mlflow_run_id,
                     "train_group": group,
+                    # Ray carries it to the node (its network must be trusted); Prefect
+                    # does not store task parameter values.
+                    "run_token": run_token(self.config, self.run_id),
                 },
             )
 

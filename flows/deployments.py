@@ -11,7 +11,9 @@ Two routes to the same three deployments (names match prefect.yaml):
   run in a subprocess. The CLI's resolved config becomes the default
   `config` parameter of `train` and `train-sync`, so `sluice serve my.yaml --set ...`
   serves exactly what `sluice train my.yaml --set ...` would run; it can still be
-  edited per run in the UI or with `prefect deployment run ... --param`.
+  edited per run in the UI or with `prefect deployment run ... --param`. Its
+  credentials are redacted there; the served runs read them from a 0600 file
+  (flows/run_secrets.py).
 
 The nightly reproduction keeps its own pinned config (flows/configs/reproduce.yaml);
 only the keys that say *where* a run lives (workdir, storage, tracking) follow the
@@ -24,6 +26,7 @@ import json
 from typing import TYPE_CHECKING, Any, cast
 
 from sluice.infra.config import RunConfig
+from sluice.infra.secrets import redact_config
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -66,6 +69,10 @@ def build_deployments(config: RunConfig) -> list[RunnerDeployment]:
     from sluice.flows.train import train
     from sluice.flows.train_sync import train_sync
 
+    # Deployment parameters live on the Prefect server and show in its UI: credentials
+    # are redacted, and the served flow runs read them from `sluice serve`'s 0600 file
+    # (flows/run_secrets.py).
+    config = RunConfig.model_validate(redact_config(config.model_dump(mode="json")))
     resolved = config.model_dump(mode="json")
     # Module entrypoints (sluice.flows.train.train) load from the installed package, so the
     # served runs work from any working directory, inside a container included.

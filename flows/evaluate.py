@@ -26,8 +26,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from sluice.flows.run_claim import flow_run_name
+from sluice.flows.run_secrets import take_secrets
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.registry import CommittedVersion
+from sluice.infra.secrets import redact_uri
 from sluice.infra.tracking import (
     end_run,
     get_client,
@@ -67,7 +69,7 @@ def find_version(config: RunConfig, run_id: str, version: int | None) -> Committ
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
         raise VersionNotFound(
             f"run '{run_id}' has no committed policy versions "
-            f"(no registered model '{name}' at {config.tracking.uri})"
+            f"(no registered model '{name}' at {redact_uri(config.tracking.uri)})"
         )
     registry = run_registry(config, run_id)
     if version is None:
@@ -162,7 +164,7 @@ def evaluate(
     # version (flows/cli.py) in about a second.
     from sluice.tasks.evaluate import evaluate_version
 
-    config = config or load_config("default")
+    config = take_secrets(config or load_config("default"), run_id)  # flows/run_secrets.py
     logger = get_run_logger()
     target = find_version(config, run_id, version)
     mlflow_run_id, created = _tracking_run_for(config, run_id, target)

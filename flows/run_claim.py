@@ -7,7 +7,6 @@ Both training flows (flows/train.py, flows/train_sync.py) start a new run this w
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 import uuid
@@ -15,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from sluice.infra.config import RunConfig
+from sluice.infra.secrets import write_private_json
 from sluice.infra.storage import exists
 from sluice.tasks.run.paths import filesystem, read_json, run_paths, write_json
 
@@ -72,7 +72,6 @@ def claim_new_run(config: RunConfig, run_id: str) -> None:
 
 
 def write_resolved_config(config: RunConfig, run_id: str) -> Path:
+    """The config each role reads: real values, credentials included, so 0600."""
     path = Path(config.workdir) / "runs" / run_id / "config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-    return path
+    return write_private_json(path, config.model_dump(mode="json"))

@@ -35,12 +35,14 @@ from sluice.flows.run_claim import (
     new_run_id,
     write_resolved_config,
 )
+from sluice.flows.run_secrets import take_secrets
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.extras import check_extras
 from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.process.servers import planned_servers, serve_inference
 from sluice.tasks.run.control import RunControl
+from sluice.tasks.run.credential import mint_run_token
 from sluice.tasks.run.paths import ROLES, run_paths, run_registry, write_start
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
@@ -96,6 +98,7 @@ def train(
         if resume and not run_id:
             raise ResumeError("resume needs the run id of an earlier run")
         run_id = run_id or new_run_id(config)
+        config = take_secrets(config, run_id)  # the parameter came redacted (flows/run_secrets.py)
         paths = run_paths(config, run_id)
         if resume:
             previous_mlflow_run = prepare_resume(config, run_id)
@@ -111,6 +114,7 @@ def train(
         )
         log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
         config_path = write_resolved_config(config, run_id)
+        mint_run_token(config, run_id)  # the one credential every control route asks for
         if config.mode is not None:
             logger.info("%s", describe_mode(config))
         logger.info(

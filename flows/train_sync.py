@@ -28,9 +28,11 @@ from sluice.flows.run_claim import (
     new_run_id,
     write_resolved_config,
 )
+from sluice.flows.run_secrets import take_secrets
 from sluice.infra.config import RunConfig, load_config
 from sluice.infra.extras import check_extras
 from sluice.infra.tracking import log_config, start_or_resume_run
+from sluice.tasks.run.credential import mint_run_token
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
 
@@ -53,6 +55,7 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
                 "stream; the colocated train_sync baseline samples one batch per step"
             )
         run_id = run_id or new_run_id(config)
+        config = take_secrets(config, run_id)  # the parameter came redacted (flows/run_secrets.py)
         claim_new_run(config, run_id)
         mlflow_run_id = start_or_resume_run(
             config.tracking.uri,
@@ -63,6 +66,7 @@ def train_sync(config: RunConfig | None = None, run_id: str | None = None) -> di
         )
         log_config(config.tracking.uri, mlflow_run_id, config.model_dump(mode="json"))
         config_path = write_resolved_config(config, run_id)
+        mint_run_token(config, run_id)  # the one credential every control route asks for
         prepare_policy(config.model_dump(mode="json"), run_id, mlflow_run_id)
         log_dir = str(Path(config.workdir) / "runs" / run_id / "logs")
         roles = ["sync", "evaluate"] if config.evaluation.during_run else ["sync"]

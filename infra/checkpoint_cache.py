@@ -9,6 +9,11 @@ prunes the cache to the most recently fetched copies. With ``select`` only the f
 reader needs come down (the tokenizer without the weights, the policy without the
 trainer state of an old checkpoint); the copy is keyed by the digest of that part.
 
+The manifest is whatever the bucket holds, so a download trusts none of it: its names
+are plain relative paths (checked when it is parsed), each file is written only inside
+the staging folder (a planted link is refused), and its bytes land in a temporary file
+that takes the file's name only once its size and sha256 match.
+
 A copy in use is never pruned. The evaluate role, ``sluice eval`` and the time-to-target
 benchmark share one evaluation cache, so without this one process's pruning could delete
 the copy another process is still loading. The guard is an advisory lock (``flock``) on
@@ -35,11 +40,13 @@ protected from each other (no Sluice process does that). On a filesystem without
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +56,7 @@ from pydantic import ValidationError
 from sluice.infra.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
+    CheckpointIncomplete,
     Manifest,
     check_file,
     hash_stream,
@@ -56,9 +64,10 @@ from sluice.infra.checkpoints import (
     raise_missing,
     read_manifest,
     storage_errors,
+    unsafe_name,
     verify_checkpoint,
 )
-from sluice.infra.storage import is_local, replace_directory, staging_directory, url_of
+from sluice.infra.storage import TEMP_PREFIX, is_local, replace_directory, staging_directory, url_of
 
 # A copy pruned by another process between its download and our lock is fetched again;
 # losing that race this many times in a row means something keeps deleting the cache.
@@ -151,17 +160,59 @@ def prune_checkpoint_cache(local_dir: str | Path, keep_latest: int) -> list[Path
 
 
 def _download_verified(fs: Any, path: str, url: str, manifest: Manifest, staging: Path) -> None:
+    """Every file of `manifest` into `staging`, each hashed into a temporary file there
+    and renamed to its name only once size and sha256 match: bytes that fail their hash
+    never sit under a name a reader opens."""
     for entry in manifest.files:
-        dest = staging / entry.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        folder = _folder_inside(staging, entry.name, url)
+        temp = folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}.part"
+        # O_EXCL | O_NOFOLLOW: never through a link planted under that name.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
-            with fs.open(f"{path}/{entry.name}", "rb") as source, open(dest, "wb") as sink:
+            with (
+                fs.open(f"{path}/{entry.name}", "rb") as source,
+                os.fdopen(os.open(temp, flags, 0o644), "wb") as sink,
+            ):
                 size, sha256 = hash_stream(source, sink)
+            check_file(url, entry, size, sha256)
         except FileNotFoundError:
+            temp.unlink(missing_ok=True)
             raise_missing(url, entry.name)
-        check_file(url, entry, size, sha256)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        # rename() replaces a link at the destination; it never writes through one.
+        os.replace(temp, folder / entry.name.rsplit("/", 1)[-1])
     # Staged: the directory becomes visible, fsynced, only once this is written too.
     (staging / MANIFEST_NAME).write_bytes(manifest.to_json().encode())
+
+
+def _folder_inside(staging: Path, name: str, url: str) -> Path:
+    """The folder of file `name` under `staging`, made one real directory at a time.
+
+    The manifest's names are checked when it is parsed; this is the second wall, against
+    a link planted inside the staging folder: a part that exists as anything but a real
+    directory is refused, and the folder found must resolve inside `staging`.
+    """
+    why = unsafe_name(name)
+    if why:
+        raise CheckpointIncomplete(f"checkpoint {url!r}: file name {name!r} {why}")
+    folder = staging
+    for part in name.split("/")[:-1]:
+        folder = folder / part
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+        if folder.is_symlink() or not folder.is_dir():
+            raise CheckpointIncomplete(
+                f"checkpoint {url!r}: {name!r} would be written through {str(folder)!r}, "
+                "which is not a plain directory of the copy"
+            )
+    root = staging.resolve()
+    if not folder.resolve().is_relative_to(root):
+        raise CheckpointIncomplete(
+            f"checkpoint {url!r}: {name!r} resolves outside the copy {str(root)!r}"
+        )
+    return folder
 
 
 def _cached_copy_is_valid(target: Path, manifest: Manifest) -> bool:

@@ -36,8 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from sluice.infra.checkpoint_manifest import (  # noqa: F401  (importable from here)
+    MANIFEST_FORMAT,
+    MANIFEST_FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestEntry,
+    unsafe_name,
+)
 from sluice.infra.failpoints import failpoint
 from sluice.infra.storage import (
     TEMP_PREFIX,
@@ -51,9 +59,6 @@ from sluice.infra.storage import (
     url_of,
 )
 
-MANIFEST_NAME = "sluice_manifest.json"
-MANIFEST_FORMAT = "sluice-checkpoint"
-MANIFEST_FORMAT_VERSION = 1
 # 8 MiB reads keep hashing at disk speed without holding a whole shard in memory.
 _CHUNK_BYTES = 8 * 1024 * 1024
 # Files hashed (and linked) at once: hashlib and fsync release the GIL, so a version's
@@ -69,57 +74,6 @@ class CheckpointError(ValueError):
 
 class CheckpointIncomplete(CheckpointError):
     """A checkpoint's manifest is missing or unreadable, or a file is missing, short or altered."""
-
-
-class ManifestEntry(BaseModel):
-    """One file of a checkpoint."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    name: str = Field(min_length=1)
-    """Path relative to the checkpoint root, '/'-separated (e.g. 'model.safetensors')."""
-    size_bytes: int = Field(ge=0)
-    """Exact file size in bytes; a shorter file means an interrupted upload."""
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    """Hex sha256 of the file content."""
-
-
-class Manifest(BaseModel):
-    """The completeness record of a checkpoint (``sluice_manifest.json``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    format: str = MANIFEST_FORMAT
-    """Always 'sluice-checkpoint'; lets a reader reject unrelated JSON files."""
-    format_version: int = MANIFEST_FORMAT_VERSION
-    """Manifest schema version; readers refuse versions they do not know."""
-    created_at_unix_s: float
-    """Wall-clock time the manifest was written (seconds since the epoch)."""
-    files: tuple[ManifestEntry, ...]
-    """Every file of the checkpoint except the manifest itself, sorted by name."""
-    metadata: dict[str, str] = {}
-    """Free-form provenance (policy version, trainer step, ...); not part of the digest."""
-
-    @property
-    def total_bytes(self) -> int:
-        """Sum of all file sizes in bytes."""
-        return sum(entry.size_bytes for entry in self.files)
-
-    @property
-    def digest(self) -> str:
-        """sha256 over (name, size, sha256) of every file: equal digests mean identical weights.
-
-        Metadata and creation time are left out, so re-saving the same weights gives the
-        same digest (that is what makes save retries idempotent and the fetch cache hit).
-        """
-        canonical = json.dumps(
-            [[e.name, e.size_bytes, e.sha256] for e in self.files], separators=(",", ":")
-        )
-        return hashlib.sha256(canonical.encode()).hexdigest()
-
-    def to_json(self) -> str:
-        """Serialised manifest, pretty-printed so a human can read it on the bucket."""
-        return self.model_dump_json(indent=2)
 
 
 # ---------------------------------------------------------------- URLs
@@ -144,6 +98,31 @@ def canonical_url(url: str, storage_options: Mapping[str, Any] | None = None) ->
     """
     fs, path = open_checkpoint_fs(url, storage_options)
     return url_of(fs, path)
+
+
+class ForeignCheckpoint(CheckpointError):
+    """A registered version names a checkpoint outside the run's own checkpoints."""
+
+
+def check_source_within(
+    source: str, root: str, storage_options: Mapping[str, Any] | None = None
+) -> str:
+    """`source`, a registered version's checkpoint URL, when it lies under `root` (the
+    run's checkpoints); ForeignCheckpoint in one line otherwise.
+
+    Whoever can write the MLflow registry can point a version anywhere (their own bucket,
+    a local path with a planted model); a reader loads only what the run itself stores.
+    The part under `root` must be plain names: no '..', '.', empty part, '::' (an fsspec
+    chain) or backslash, so neither the OS nor fsspec can resolve it elsewhere.
+    """
+    base = canonical_url(root, storage_options).rstrip("/") + "/"
+    rest = source[len(base) :].rstrip("/") if source.startswith(base) else ""
+    if not rest or "::" in rest or unsafe_name(rest):
+        raise ForeignCheckpoint(
+            f"refusing checkpoint {source!r}: it is not under the run's checkpoints {base!r} "
+            "(a version is loaded only from where the run itself stores them)"
+        )
+    return source
 
 
 @contextlib.contextmanager
@@ -248,7 +227,8 @@ def _parse_manifest(raw: bytes, url: str) -> Manifest:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise CheckpointIncomplete(
-            f"checkpoint {url!r}: malformed {MANIFEST_NAME} at '{where}': {first['msg']}"
+            f"checkpoint {url!r}: malformed {MANIFEST_NAME} at '{where}': "
+            f"{first['msg'].removeprefix('Value error, ')}"
         ) from exc
 
 

@@ -34,6 +34,7 @@ from sluice.infra.problem_config import (
 )
 from sluice.infra.problem_config import Section as _Section
 from sluice.infra.run_modes import Mode, apply_mode, dotted_keys
+from sluice.infra.secrets import remember_secrets
 from sluice.infra.tracking_config import TrackingConfig
 from sluice.infra.trainer_config import (  # noqa: F401  (importable from here as before)
     AdvantageConfig,
@@ -254,7 +255,7 @@ class StorageConfig(_Section):
     url: str = "file://.sluice/runs"
     """fsspec URL root: file://, s3://bucket/prefix, memory:// (tests)."""
     options: dict[str, Any] = {}
-    """fsspec storage options (e.g. s3 endpoint_url, key, secret)."""
+    """fsspec storage options (e.g. s3 endpoint_url, key, secret). Credentials here (key, secret, token, password, ... and those under client_kwargs) are redacted wherever the config leaves the process (MLflow, Prefect parameters, --dry-run, errors) and reach the roles only through 0600 files; better still, leave them out and give them in the environment (docs/operations.md, "Giving credentials")."""
     keep_versions: int | None = Field(3, ge=0)
     """Published policy versions whose weights stay on storage: the newest K (at least 2: the rollout side serves one while it fetches the next), plus every version an MLflow alias or a `sluice.keep` tag pins and every version the evaluation schedule has yet to score (docs/operations.md, "Checkpoints and retention"). Older ones are deleted after each durable commit and tagged `sluice.deleted`; the newest two durable versions' trainer states are kept. Versions that were only servable (`checkpoint.every_versions`) count among the newest K and go the same way. 0 or None = keep every version (at 135M parameters each is ~0.5 GB)."""
 
@@ -459,6 +460,7 @@ def load_config(
     apply_mode(data, set_keys if "mode" in set_keys else set_keys | from_file)
     if overrides:
         source = f"{source} with --set" if resolved else "--set"
+    remember_secrets(data)  # no error line of this process shows them (infra/secrets.py)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from sluice.infra.peer_names import PeerNameError, peer_suggestion, resolve_peer_name, say_once
+from sluice.infra.secrets import REDACTED, redact_text
 
 
 class ConfigError(ValueError):
@@ -145,7 +146,10 @@ def format_validation_error(err: ValidationError, source: str, model: type[BaseM
         return f"{source}: unknown config key '{key}'{_closest(key, model)}"
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     if not key:  # a rule across sections: its message names the keys itself
-        return f"{source}: {first['msg'].removeprefix('Value error, ')}{more}"
+        return redact_text(f"{source}: {first['msg'].removeprefix('Value error, ')}{more}")
     value = first.get("input")
     shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-    return f"{source}: invalid value for '{key}' = {shown}: {first['msg']}{more}"
+    if key.startswith("storage.options"):  # may be a credential: never echoed
+        shown = REDACTED
+    message = f"{source}: invalid value for '{key}' = {shown}: {first['msg']}{more}"
+    return redact_text(message)

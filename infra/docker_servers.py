@@ -16,6 +16,13 @@ Two engines:
   ``sluice:local`` (``infra/docker/image.sh``) or on GPUs from a CUDA build of the image;
 - ``sglang``: SGLang's ``launch_server`` from an SGLang image, each server with its own
   GPUs (device requests) and tensor parallelism over them.
+
+Both ask every caller for the run's token (SGLang's ``--api-key``). It reaches the
+server as a 0600 file under the mounted workdir, never on the command line, where
+``docker inspect`` and every user's ``ps`` would show it: Sluice's server reads the file
+(``--api-key-file``), and SGLang is started through a two-line Python prologue that
+reads it and appends ``--api-key`` to ``sys.argv`` inside the process, so its
+``/proc/<pid>/cmdline`` holds the path, not the token.
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ log = logging.getLogger(__name__)
 
 SLUICE_IMAGE = "sluice:local"
 """Sluice's own image as `infra/docker/image.sh` tags it: the sluice engine's default."""
+SGLANG_WITH_KEY_FILE = (
+    "import runpy, sys; path = sys.argv.pop(1); "
+    "sys.argv += ['--api-key', open(path).read().strip()]; "
+    "runpy.run_module('sglang.launch_server', run_name='__main__')"
+)
+"""SGLang's launcher, given its token as a file (first argument) instead of a flag."""
 LABEL = "sluice.inference-server"
 """Every server container carries this label; its value is the run id, so whatever a
 killed flow left behind is found and removed by run."""
@@ -84,6 +97,11 @@ class ServerSpec:
     """A LoRA run's adapter rank (0: none); SGLang reserves room for adapters this large."""
     lora_target_modules: tuple[str, ...] = ()
     """The layers a LoRA run's adapters adapt (SGLang's ``--lora-target-modules``)."""
+    api_key_file: str | None = None
+    """The run's 0600 token file, at the same path inside (None: a server open to all)."""
+    weight_master_addresses: tuple[str, ...] = ()
+    """Addresses a weight group's rendezvous may be on (the nodes a trainer's sender can
+    run on); empty: the server's default, loopback only. Sluice's engine only."""
 
     @property
     def url(self) -> str:
@@ -92,8 +110,11 @@ class ServerSpec:
     def command(self) -> list[str]:
         """The server's command line inside the container."""
         if self.engine == "sglang":
+            launch = ["-m", "sglang.launch_server"]
+            if self.api_key_file:
+                launch = ["-c", SGLANG_WITH_KEY_FILE, self.api_key_file]
             argv = [
-                "python3", "-m", "sglang.launch_server",
+                "python3", *launch,
                 "--model-path", self.model_dir,
                 "--host", self.host,
                 "--port", str(self.port),
@@ -126,6 +147,10 @@ class ServerSpec:
                 argv += ["--num-threads", str(self.num_threads)]
             if self.max_seq_len:
                 argv += ["--max-seq-len", str(self.max_seq_len)]
+            if self.api_key_file:
+                argv += ["--api-key-file", self.api_key_file]
+            for address in self.weight_master_addresses:
+                argv += ["--weight-master-address", address]
         return argv + list(self.extra_args)
 
     def run_options(self, run_id: str, index: int) -> dict[str, Any]:
@@ -144,6 +169,11 @@ class ServerSpec:
                 type="json-file", config={"max-size": "20m", "max-file": "2"}
             ),
         }
+        if self.api_key_file:
+            # The token file is 0600: the server runs as its owner to read it (the
+            # image's own user would be refused).
+            owner = os.stat(self.api_key_file)
+            options["user"] = f"{owner.st_uid}:{owner.st_gid}"
         if self.gpus:
             options["device_requests"] = [
                 docker.types.DeviceRequest(

@@ -42,6 +42,9 @@ Departures and choices:
   ``verify_hashes=True`` restores the full check.
 - One writer per registered model is assumed (the run's trainer, under its lease);
   two writers are not serialised beyond the forward-only alias.
+- With `source_root` (a run's registry) a version whose source lies elsewhere is never
+  read: a writer of the registry cannot make servers load their weights
+  (infra/registry_reads.py).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from sluice.infra.checkpoints import canonical_url, verify_checkpoint
@@ -74,6 +78,7 @@ from sluice.infra.policy_version import (
     check_incarnation,
     check_policy_version,
 )
+from sluice.infra.registry_reads import PAGE_SIZE, list_versions, read_version
 from sluice.infra.tracking import get_client
 from sluice.infra.tracking_config import DEFAULT_ALIAS, MLFLOW_RESERVED_ALIAS
 
@@ -82,7 +87,6 @@ LEGACY_ALIAS = "sluice-latest"
 _DEFAULT_ALIASES = (DEFAULT_ALIAS, LEGACY_ALIAS)
 
 _ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
-_PAGE_SIZE = 1000  # far above any run's version count, far below MLflow's 200k page cap
 
 
 class RegistryError(Exception):
@@ -104,11 +108,13 @@ class CheckpointRegistry:
         *,
         verify_hashes: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        source_root: str | None = None,
     ) -> None:
         """Connect to MLflow at `tracking_uri` and make sure `model_name` is registered.
 
         `alias`: the newest servable version's (module notes); `verify_hashes`: `commit`
-        re-hashes every file; `storage_options`: fsspec options to read manifests.
+        re-hashes every file; `storage_options`: fsspec options to read manifests;
+        `source_root`: the only prefix versions are read from (module notes).
         Raises TrackingUnavailable naming the URI when MLflow cannot be reached.
         """
         if not isinstance(model_name, str) or not model_name or "'" in model_name:
@@ -128,6 +134,7 @@ class CheckpointRegistry:
         self._alias_reads = (self.mlflow_alias, *fallback)
         self.verify_hashes = verify_hashes
         self.storage_options = dict(storage_options or {})
+        self.source_root = source_root
         self._client = get_client(tracking_uri)
         self._ensure_registered_model()
 
@@ -163,8 +170,8 @@ class CheckpointRegistry:
         """Versions of step `policy_version` (of `incarnation`, if given), oldest r first."""
         query = f"name = '{self.model_name}' and tags.`{TAG_POLICY_VERSION}` = '{policy_version}'"
         with self._mlflow(f"looking up policy version {policy_version}"):
-            found = list(self._client.search_model_versions(query, max_results=_PAGE_SIZE))
-        versions = [c for c in map(as_committed, found) if c is not None]
+            found = list(self._client.search_model_versions(query, max_results=PAGE_SIZE))
+        versions = [c for c in map(self._read, found) if c is not None]
         if incarnation is not None:
             versions = [c for c in versions if c.incarnation == incarnation]
         return sorted(versions, key=lambda c: (c.incarnation, c.model_version))
@@ -453,7 +460,10 @@ class CheckpointRegistry:
                 f"reading alias {alias!r} of {self.model_name!r} failed at "
                 f"{self.tracking_uri}: {exc.message}"
             ) from exc
-        return as_committed(version)
+        return self._read(version, refuse=True)
+
+    def _read(self, version: ModelVersion, refuse: bool = False) -> CommittedVersion | None:
+        return read_version(version, self.source_root, self.storage_options, refuse=refuse)
 
     def _aliased(self) -> tuple[CommittedVersion | None, str | None]:
         """The servable alias's version and the alias read (the configured one, else the
@@ -476,18 +486,14 @@ class CheckpointRegistry:
 
     def versions(self) -> list[CommittedVersion]:
         """Every registered version, lost ones included, oldest (r, k) first."""
-        out: list[CommittedVersion] = []
-        token: str | None = None
+        query = f"name = '{self.model_name}'"
         with self._mlflow("listing versions"):
-            while True:
-                page = self._client.search_model_versions(
-                    f"name = '{self.model_name}'", max_results=_PAGE_SIZE, page_token=token
-                )
-                out.extend(c for c in map(as_committed, page) if c is not None)
-                token = page.token
-                if not token:
-                    break
-        return sorted(out, key=lambda c: c.identity)
+            return list_versions(
+                lambda token: self._client.search_model_versions(
+                    query, max_results=PAGE_SIZE, page_token=token
+                ),
+                self._read,
+            )
 
     def next_incarnation(self) -> int:
         """One more than the highest incarnation any version of this model carries."""

@@ -41,6 +41,8 @@ from mlflow.entities import Metric, Param, ViewType
 from mlflow.exceptions import MlflowException
 from pydantic import BaseModel
 
+from sluice.infra.secrets import redact_config, redact_text, redact_uri, without_userinfo
+
 logger = logging.getLogger(__name__)
 
 # MLflow's own limits (mlflow.utils.validation): params per log_batch call, metrics per
@@ -77,7 +79,8 @@ class TrackingUnavailable(TrackingError, ConnectionError):
 
 
 def _probe_http(tracking_uri: str, timeout_s: float) -> None:
-    url = tracking_uri.rstrip("/") + "/health"
+    # No userinfo: urllib would ask the resolver for `user:password@host` as a host name.
+    url = without_userinfo(tracking_uri).rstrip("/") + "/health"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s):
             pass
@@ -86,7 +89,7 @@ def _probe_http(tracking_uri: str, timeout_s: float) -> None:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise TrackingUnavailable(
-            f"MLflow tracking server {tracking_uri} is unreachable: {reason}"
+            f"MLflow tracking server {redact_uri(tracking_uri)} is unreachable: {reason}"
         ) from None
 
 
@@ -100,7 +103,7 @@ def _prepare_sqlite(tracking_uri: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TrackingUnavailable(
-            f"MLflow tracking database {tracking_uri} cannot be created: {exc}"
+            f"MLflow tracking database {redact_uri(tracking_uri)} cannot be created: {exc}"
         ) from None
     _use_wal(Path(path))
 
@@ -151,7 +154,7 @@ def get_client(tracking_uri: str, *, connect_timeout_s: float = 5.0) -> MlflowCl
             raise
         except Exception as exc:
             raise TrackingUnavailable(
-                f"MLflow tracking backend {tracking_uri} is unusable: {exc}"
+                f"MLflow tracking backend {redact_uri(tracking_uri)} is unusable: {redact_text(str(exc))}"
             ) from exc
         _clients[tracking_uri] = client
         return client
@@ -162,7 +165,9 @@ def _mlflow_errors(tracking_uri: str, what: str) -> Iterator[None]:
     try:
         yield
     except MlflowException as exc:
-        raise TrackingError(f"{what} failed at {tracking_uri}: {exc.message}") from exc
+        raise TrackingError(
+            f"{what} failed at {redact_uri(tracking_uri)}: {redact_text(exc.message)}"
+        ) from exc
 
 
 def _client_for(tracking_uri: str, run_id: str) -> MlflowClient:
@@ -188,7 +193,7 @@ def _get_or_create_experiment(
     if found is not None:
         if found.lifecycle_stage == "deleted":
             raise TrackingError(
-                f"MLflow experiment {experiment!r} at {tracking_uri} is deleted; restore it "
+                f"MLflow experiment {experiment!r} at {redact_uri(tracking_uri)} is deleted; restore it "
                 "or choose another experiment name"
             )
         _mark_training(client, str(found.experiment_id), found.tags)
@@ -246,7 +251,7 @@ def start_or_resume_run(
                 run = client.get_run(run_id)
             except MlflowException as exc:
                 raise TrackingError(
-                    f"MLflow run {run_id!r} not found at {tracking_uri}: {exc.message}"
+                    f"MLflow run {run_id!r} not found at {redact_uri(tracking_uri)}: {exc.message}"
                 ) from exc
             held_in = client.get_experiment(run.info.experiment_id)
             _mark_training(client, str(held_in.experiment_id), held_in.tags)
@@ -294,7 +299,8 @@ def run_ui_url(tracking_uri: str, run_id: str) -> str:
     An HTTP tracking server serves its own UI; for a local store (sqlite, files) the base
     is where `ui_command` (infra/tracking_config.py) listens.
     """
-    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else _LOCAL_UI
+    shown = redact_uri(tracking_uri)  # a link people click and copy: no password in it
+    base = shown if shown.startswith(("http://", "https://")) else _LOCAL_UI
     experiment_id = get_run_experiment_id(tracking_uri, run_id)
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{_UI_VIEW}"
 
@@ -355,6 +361,7 @@ def log_config(
     else:
         # Paths, enums and the like become strings, so the YAML artifact always serialises.
         data = json.loads(json.dumps(dict(config), default=str))
+    data = redact_config(data)  # credentials never become params or artifacts
     flat = flatten_config(data)
     with _mlflow_errors(tracking_uri, f"logging config to run {run_id!r}"):
         existing = client.get_run(run_id).data.params
@@ -428,7 +435,9 @@ def log_metrics(
                 raise ValueError(
                     f"MLflow rejected metrics for run {run_id!r}: {exc.message}"
                 ) from exc
-            raise TrackingError(f"logging metrics failed at {tracking_uri}: {exc.message}") from exc
+            raise TrackingError(
+                f"logging metrics failed at {redact_uri(tracking_uri)}: {exc.message}"
+            ) from exc
     return len(entries)
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from pydantic import Field, field_validator
 
 from sluice.infra.problem_config import Section
+from sluice.infra.secrets import redact_uri
 
 DEFAULT_ALIAS = "newest"
 """The run's alias on its newest committed version; MLflow accepts it as typed, so
@@ -100,8 +101,10 @@ def ui_command(tracking_uri: str) -> str:
     A bare ``mlflow ui`` of MLflow 3.17 started 15 processes, 2.4 GB RSS (4 uvicorn workers,
     the job runner and 7 huey consumers for GenAI jobs); with job execution off and one
     worker, 2 (the ``mlflow`` launcher and one uvicorn process), 0.5 GB. An HTTP tracking
-    server serves its own UI: its address is returned.
+    server serves its own UI: its address is returned. The line is shown (terminal,
+    Prefect artifacts), so a password in the URI is redacted.
     """
+    tracking_uri = redact_uri(tracking_uri)
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}   (the tracking server serves the UI)"
     return (

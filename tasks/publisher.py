@@ -39,9 +39,12 @@ from sluice.engines.inference.loading import resolve_dtype
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.checkpoints import save_checkpoint
 from sluice.infra.failpoints import failpoint
+from sluice.infra.serving.auth import sign_document
 from sluice.infra.streams.names import ShardRef
 from sluice.infra.weight_transfer import weight_transfer_path
+from sluice.tasks.process.ray_servers import private_address
 from sluice.tasks.run.cadence import Decision, cadence_of, must_be_durable
+from sluice.tasks.run.credential import run_token
 from sluice.tasks.run.paths import write_json
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import SavedVersion, save_version, save_version_later
@@ -101,18 +104,17 @@ class Publisher:
         path = weight_transfer_path(cfg)
         if path == "disk":
             return
+        token = run_token(cfg, self.role.run_id)  # asked of callers, signs what it sends
         self.sender = WeightSender(
             dtype=resolve_dtype(cfg.rollout.dtype),
             bucket_bytes=int(cfg.servers.weight_bucket_mb * 2**20),
             group_timeout_s=cfg.servers.weight_group_timeout_s,
-            bind_host="0.0.0.0" if cfg.servers.launch == "ray" else "127.0.0.1",
+            bind_host=private_address() if cfg.servers.launch == "ray" else "127.0.0.1",
+            api_key=token,
         )
         url = self.sender.start()
-        write_json(
-            cfg,
-            f"{self.role.paths.control}/{SENDER_FILE}",
-            {"url": url, "pid": os.getpid(), "path": path, "started_at": time.time()},
-        )
+        document = {"url": url, "pid": os.getpid(), "path": path, "started_at": time.time()}
+        write_json(cfg, f"{self.role.paths.control}/{SENDER_FILE}", sign_document(token, document))
         log.info("policy versions are offered over %s at %s", path, url)
 
     def stop_sender(self) -> None:

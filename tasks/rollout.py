@@ -44,7 +44,7 @@ from sluice.infra.serving.client import (
 )
 from sluice.infra.streams.schema import table_from_rows
 from sluice.infra.weight_transfer import servers_on_gpu, weight_transfer_path
-from sluice.tasks.process.inference_server import EmbeddedServer
+from sluice.tasks.process.inference_server import EmbeddedServer, embedded_server, run_client
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
@@ -54,7 +54,8 @@ from sluice.tasks.rollout_sampling import GroupSampler
 from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.rollout_transfer import FastWeights
 from sluice.tasks.rollout_weights import ServedWeights
-from sluice.tasks.run.paths import ROLLOUTS, SCORED, launched_server_urls
+from sluice.tasks.run.credential import verified_server_urls
+from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.state_timer import OTHER
 from sluice.tasks.run.versions import lost_versions, serving_start, superseded
 from sluice.tasks.tool_runner import Shaping, ToolBox, episode_spec
@@ -269,9 +270,7 @@ class RolloutRole(Role):
         assert tokenizer is not None
         if cfg.episode.tools:
             self.sampler.episodes = episode_spec(cfg, tokenizer)
-            self.sampler.toolbox = ToolBox(
-                cfg.episode.tools, cfg.episode.tool_timeout_s, cfg.episode.tool_workers
-            )
+            self.sampler.toolbox = ToolBox.for_run(cfg)
             self.sampler.shaping = Shaping(cfg.episode.shaping)
         early = self.server
         if early is not None and early.weight_version != self.current.policy_version:
@@ -285,7 +284,7 @@ class RolloutRole(Role):
                 actors.wait, cfg.servers.start_timeout_s, self.control.should_stop
             )
         elif launched:
-            urls = launched_server_urls(cfg, self.run_id)
+            urls = verified_server_urls(cfg, self.run_id)  # signed: they get the token
         else:
             urls = list(cfg.rollout.server_urls)
         external = bool(urls)
@@ -299,11 +298,9 @@ class RolloutRole(Role):
         if not urls and self.server is not None:
             urls = [self.server.url]
         elif not urls:
-            self.server = EmbeddedServer(
-                cfg, local, self.current.policy_version, self.local_dir("logs")
-            )
+            self.server = embedded_server(cfg, self.run_id, local, self.current.policy_version)
             urls = [self.server.url]
-        client = InferenceClient(urls, timeout_s=cfg.rollout.request_timeout_s)
+        client = run_client(cfg, self.run_id, urls, cfg.rollout.request_timeout_s)
         # Launched containers may still be starting (an image to unpack, a model to load).
         self.health_timeout_s = cfg.servers.start_timeout_s if launched else 300.0
         try:

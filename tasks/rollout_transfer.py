@@ -11,6 +11,11 @@ committed, from the trainer's sender (tasks/weight_sender.py) to every server:
   server receives (``/update_weights_from_distributed``). A server stages the buckets
   and swaps the version in at the last.
 
+The sender's document on storage and its handle answers are signed with the run's token
+(infra/serving/auth.py): the rollout calls the sender's URL, sending it the token, and
+relays its bytes to the servers only once the signature is the run's; anyone else who
+can write the bucket gets one refusing line and the version loads from disk.
+
 Anything that goes wrong (the trainer restarted and no longer holds the version, a
 server or the trainer died mid-broadcast, a group that will not form) raises
 `FastPathFailed` naming the cause; the caller loads that version from disk and the next
@@ -20,17 +25,27 @@ version tries the fast path again (a dropped group is formed anew).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from sluice.infra.config import RunConfig
+from sluice.infra.serving.auth import (
+    CredentialError,
+    bearer_headers,
+    verify_bytes,
+    verify_document,
+)
 from sluice.infra.serving.client import InferenceClient, InferenceServerError
+from sluice.tasks.run.credential import run_token
 from sluice.tasks.run.paths import read_json, run_paths
-from sluice.tasks.weight_sender import SENDER_FILE
+from sluice.tasks.weight_sender import SENDER_FILE, handle_message
 
 log = logging.getLogger("sluice.rollout")
 
@@ -54,24 +69,31 @@ class FastWeights:
         self.sender_url: str | None = None
         self.group_ready = False
         self.failures_in_a_row = 0
+        self._token: str | None = None  # the run's, read on first use
         self._http = httpx.AsyncClient(timeout=config.servers.weight_group_timeout_s + 10.0)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    @property
+    def token(self) -> str:
+        if self._token is None:
+            self._token = run_token(self.config, self.run_id)
+        return self._token
+
     async def _sender(self) -> str:
         if self.sender_url is None:
             where = f"{run_paths(self.config, self.run_id).control}/{SENDER_FILE}"
             document = await asyncio.to_thread(read_json, self.config, where)
-            if not document or not document.get("url"):
-                raise FastPathFailed("the trainer has not published its weight sender yet")
-            self.sender_url = str(document["url"])
+            self.sender_url = sender_url_of(document, where, lambda: self.token)
         return self.sender_url
 
     async def _call(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         url = await self._sender()
         try:
-            response = await self._http.request(method, url + route, json=body)
+            response = await self._http.request(
+                method, url + route, json=body, headers=bearer_headers(self.token)
+            )
         except httpx.HTTPError as exc:
             self.sender_url = None  # a restarted trainer writes a new one
             self.group_ready = False
@@ -90,12 +112,13 @@ class FastWeights:
     def given_up(self) -> bool:
         return self.failures_in_a_row >= GIVE_UP_AFTER
 
-    async def load(self, client: InferenceClient, version: int) -> int:
-        """Every server of `client` serves `version` once this returns; the bytes moved
-        (per server). FastPathFailed when the fast path cannot do it."""
+    async def load(self, client: InferenceClient, version: int, label: str | None = None) -> int:
+        """Every server of `client` serves `version` (labelled `label`: its (incarnation,
+        step), infra/serving/versions.py) once this returns; the bytes moved (per server).
+        FastPathFailed when the fast path cannot do it."""
         if self.given_up:
             raise FastPathFailed(f"the fast path failed {GIVE_UP_AFTER} versions in a row")
-        moved = await self._load(client, version)
+        moved = await self._load(client, version, label)
         self.failures_in_a_row = 0
         return moved
 
@@ -110,22 +133,40 @@ class FastWeights:
                 "loads from disk", self.path, GIVE_UP_AFTER,
             )  # fmt: skip
 
-    async def _load(self, client: InferenceClient, version: int) -> int:
+    async def _load(self, client: InferenceClient, version: int, label: str | None) -> int:
         meta = await self._call("GET", f"/versions/{version}")
         try:
             if self.path == "shared_memory":
                 for url in client.base_urls:  # handles of its own for each server
                     handles = await self._call("GET", f"/versions/{version}/handles")
                     await client.update_weights_from_tensor(
-                        handles["serialized_named_tensors"], version, url=url
+                        self.signed_handles(handles, version), version, url=url, label=label
                     )
             else:
                 await self._ensure_group(client)
-                await self._broadcast(client, version, meta)
+                await self._broadcast(client, version, meta, label)
         except InferenceServerError as exc:
             await self.drop_group(client)
             raise FastPathFailed(str(exc)) from exc
         return int(meta["bytes"])
+
+    def signed_handles(self, answer: Any, version: int) -> list[str]:
+        """The handles of a sender's answer, each checked against its signature: bytes a
+        server would unpickle are relayed only when this run's sender made them."""
+        handles = answer.get("serialized_named_tensors") if isinstance(answer, dict) else None
+        signatures = answer.get("signatures") if isinstance(answer, dict) else None
+        if not isinstance(handles, list) or not isinstance(signatures, list):
+            raise FastPathFailed(f"the handles of version {version} carry no signature: refused")
+        if len(handles) != len(signatures) or not all(
+            isinstance(h, str)
+            and verify_bytes(self.token, handle_message(version, _decoded(h)), sig)
+            for h, sig in zip(handles, signatures, strict=False)
+        ):
+            raise FastPathFailed(
+                f"the handles of version {version} are not signed with this run's credential: "
+                "refused"
+            )
+        return handles
 
     async def _ensure_group(self, client: InferenceClient) -> None:
         if self.group_ready:
@@ -157,7 +198,9 @@ class FastWeights:
             time.monotonic() - started,
         )
 
-    async def _broadcast(self, client: InferenceClient, version: int, meta: dict[str, Any]) -> None:
+    async def _broadcast(
+        self, client: InferenceClient, version: int, meta: dict[str, Any], label: str | None
+    ) -> None:
         for index, bucket in enumerate(meta["buckets"]):
             names = [meta["names"][i] for i in bucket]
             dtypes = [meta["dtypes"][i] for i in bucket]
@@ -168,7 +211,9 @@ class FastWeights:
                 )
             )
             receive = asyncio.create_task(
-                client.update_weights_from_distributed(names, dtypes, shapes, version, GROUP_NAME)
+                client.update_weights_from_distributed(
+                    names, dtypes, shapes, version, GROUP_NAME, label
+                )
             )
             results = await asyncio.gather(send, receive, return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
@@ -186,3 +231,22 @@ class FastWeights:
         await client.destroy_weights_update_group(GROUP_NAME)
         with contextlib.suppress(FastPathFailed):
             await self._call("DELETE", f"/groups/{GROUP_NAME}")
+
+
+def sender_url_of(document: Any, where: str, token: Callable[[], str]) -> str:
+    """The URL the sender document read at `where` names, once its signature is the
+    run's (`token()`): before the URL is trusted with the token, or its bytes relayed."""
+    if not isinstance(document, dict) or not document.get("url"):
+        raise FastPathFailed("the trainer has not published its weight sender yet")
+    try:
+        verify_document(token(), document, f"the weight sender document {where}")
+    except CredentialError as exc:
+        raise FastPathFailed(str(exc)) from exc
+    return str(document["url"])
+
+
+def _decoded(handle: str) -> bytes:
+    try:
+        return base64.b64decode(handle, validate=True)
+    except (binascii.Error, ValueError):
+        return b""

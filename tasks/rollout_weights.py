@@ -23,6 +23,7 @@ from sluice.infra.checkpoints import read_manifest
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving.client import InferenceClient, InferenceServerUnreachableError
+from sluice.infra.serving.versions import label_identity, update_label
 from sluice.tasks.process.ray_servers import RayServerLost, ServerActors
 from sluice.tasks.rollout_stats import RolloutStats
 from sluice.tasks.rollout_transfer import FastPathFailed, FastWeights
@@ -55,6 +56,9 @@ class ServedWeights:
         """Digest of the version the servers were started on (a LoRA run's base)."""
         self.adapters: list[int] = []
         """Adapter versions loaded on every server, oldest first."""
+        self.served: tuple[int, int] | None = None
+        """The (incarnation, step) every server last took, as its label named it: a
+        server takes only an update newer in that order (infra/serving/versions.py)."""
 
     def is_adapter(self, version: CommittedVersion) -> bool:
         """Whether `version` is published as an adapter on the base (a LoRA run's v1+)."""
@@ -68,6 +72,7 @@ class ServedWeights:
     def start(self, version: CommittedVersion) -> Path:
         """`version`, the one the servers start on, on local disk."""
         self.base_digest = read_manifest(version.checkpoint_uri, self.config.storage.options).digest
+        self.served = version.identity
         return self.fetch(version)
 
     def check(self, version: CommittedVersion) -> None:
@@ -112,10 +117,14 @@ class ServedWeights:
         """Every server of `urls` (all) loads `version` from where `stage` put it."""
         number, adapter = version.policy_version, self.is_adapter(version)
         targets = urls if urls is not None else client.base_urls
+        # A lineage reset goes back to an older durable version: its label then names
+        # an incarnation above the served one, so the servers take it as the newer state.
+        label = update_label(version.identity, self.served)
         if not staged and self.fast is not None and urls is None:
             try:
-                self.stats.weight_bytes_moved += await self.fast.load(client, number)
+                self.stats.weight_bytes_moved += await self.fast.load(client, number, label)
                 client.use_adapter(None)
+                self.served = label_identity(label)
                 return True
             except FastPathFailed as exc:
                 if await asyncio.to_thread(self.run_over):  # the trainer is done and gone
@@ -143,7 +152,7 @@ class ServedWeights:
 
         async def one(path: str, where: list[str] | None) -> None:
             if not adapter:
-                await client.update_weights_from_disk(path, number, urls=where)
+                await client.update_weights_from_disk(path, number, urls=where, label=label)
                 return
             await client.unload_lora_adapter(number, urls=where)  # a server that had it
             await client.load_lora_adapter(path, number, urls=where)
@@ -153,6 +162,7 @@ class ServedWeights:
         else:
             await asyncio.gather(*(one(staged[url], [url]) for url in targets))
         if urls is None:  # every server holds it now: requests go to it
+            self.served = label_identity(label)
             self.adapters = [*self.adapters, number] if adapter else []
             client.use_adapter(number if adapter else None)
         return True

@@ -20,6 +20,11 @@ and moves the bytes one of two ways:
   bucket of a version while the servers receive it (``/update_weights_from_distributed``);
   ``DELETE /groups/{name}``.
 
+Every route but ``/health`` asks for the run's token (infra/serving/auth.py), and the
+handles are signed with it: the rollout relays them to servers only once the signature
+says they came from this process. The API binds the node's private address (loopback on
+one node), never every interface.
+
 Only the newest `keep` versions are held; a broadcast fails (and drops the group) when a
 server is gone or the group's deadline passes, never hangs.
 """
@@ -50,12 +55,19 @@ from sluice.engines.inference.weight_sync import (
     unflatten,
     unique_named_tensors,
 )
+from sluice.infra.serving.auth import require_token, sign_bytes
 from sluice.infra.serving.weight_routes import is_same_host
 
 log = logging.getLogger("sluice.train")
 
 SENDER_FILE = "weight_sender.json"
 """Control-dir document naming the sender's URL (written by the train role)."""
+
+
+def handle_message(version: int, data: bytes) -> bytes:
+    """What a handle's signature covers: its bytes and the version they hold, so an old
+    version's signed handles cannot be passed off as a newer one's."""
+    return f"policy-version:{int(version)}:".encode() + data
 
 
 @dataclass
@@ -126,8 +138,12 @@ class WeightSender:
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         keep: int = 2,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the run's token, asked of every caller and signing the handles
+        (None: an open sender, for tests of the transfer alone)."""
         self.dtype, self.bucket_bytes, self.keep = dtype, bucket_bytes, keep
+        self._api_key = api_key
         self.group_timeout_s = group_timeout_s
         self.bind_host = bind_host
         self.advertise_host = advertise_host or (
@@ -245,6 +261,7 @@ class WeightSender:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="Sluice trainer weight sender")
+        require_token(app, self._api_key)
 
         def missing(version: int) -> JSONResponse:
             return JSONResponse({"error": f"policy version {version} is not held"}, status_code=404)
@@ -267,12 +284,14 @@ class WeightSender:
             held = self.get(version)
             if held is None:
                 return missing(version)
-            # Made afresh for each request: a handle carries one reference to the
-            # segments, which the process that maps it gives back. One fetched and never
-            # mapped keeps them until this process exits (torch's shared-memory manager
-            # removes them then): a failed update leaks one version's copy that long.
+            # Made afresh for each request. A server copies the segments' bytes into its
+            # own memory as they arrive and keeps no reference to them, so they go as
+            # soon as this process drops the version, whatever became of the handle.
             data = await asyncio.to_thread(serialize_named_tensors, held.named())
-            return JSONResponse({"serialized_named_tensors": [base64.b64encode(data).decode()]})
+            answer: dict[str, Any] = {"serialized_named_tensors": [base64.b64encode(data).decode()]}
+            if self._api_key:  # the rollout relays only bytes this process signed
+                answer["signatures"] = [sign_bytes(self._api_key, handle_message(version, data))]
+            return JSONResponse(answer)
 
         @app.post("/groups")
         async def open_group(request: Request) -> JSONResponse:

@@ -29,6 +29,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from sluice.engines.inference.loading import (
 )
 from sluice.engines.inference.scheduler import Scheduler
 from sluice.engines.inference.types import WeightLoadError, WeightUpdateReport
+from sluice.engines.inference.weight_specs import check_specs
 from sluice.engines.inference.weights import (
     check_model_type,
     match_state_dict,
@@ -285,14 +287,20 @@ class InferenceEngine(Scheduler):
         process group or shared memory); once every served tensor of that version has
         arrived, swap them in as ``update_weights_from_disk`` does (interruptible, one
         atomic step). Returns the report when applied, None while the version is still
-        partial. The tensors are held until then (a process group's receive buffers, or
-        a mapping of the sender's shared memory, which stays valid while mapped) and
-        copied once, into the served weights. A call for another version drops what was
-        staged before. Raises WeightLoadError (served weights untouched) for a tensor the
-        model does not have or of the wrong shape.
+        partial. The tensors are held until then and must be this process's own memory
+        (a process group's receive buffers, or copies read from the sender's shared
+        memory: ``tensor_handles``), never a mapping of another process's: a sender that
+        truncates a mapped segment before the swap would kill this process (SIGBUS). A
+        call for another version drops what was staged before. Raises WeightLoadError
+        (served weights untouched) for no tensors at all, a tensor the model does not
+        have, or one of the wrong shape.
         """
         if isinstance(weight_version, bool) or not isinstance(weight_version, int):
             raise ValueError(f"weight_version must be an integer, got {weight_version!r}")
+        if not named_tensors:
+            raise WeightLoadError(
+                f"weights sent from {source}: an update needs at least one tensor"
+            )
         with self._update_lock:
             t0 = time.perf_counter()
             current = self.model.state_dict()
@@ -312,8 +320,7 @@ class InferenceEngine(Scheduler):
             if self._staged_version != weight_version:
                 self._staged, self._staged_version = {}, weight_version
             for name, tensor in named_tensors:
-                # Held, not copied: a received buffer is this call's own, and mapped
-                # shared memory stays valid while mapped, whatever the sender does.
+                # Held, not copied again: the caller hands over memory of its own.
                 self._staged[name] = tensor.to(self.device, self.dtype)
             covered = {current[n].data_ptr() for n in self._staged}
             if any(t.data_ptr() not in covered for t in current.values()):
@@ -325,6 +332,13 @@ class InferenceEngine(Scheduler):
                 tensors, current, weight_version, read_s,
                 drain=False, abort_all_requests=abort_all_requests, new_base="",
             )  # fmt: skip
+
+    def check_tensor_specs(
+        self, specs: Sequence[tuple[str, str, tuple[int, ...]]], declared_bytes: int
+    ) -> None:
+        """SpecMismatch unless tensors ``specs`` names fit the served model
+        (``weight_specs``): called before a buffer is allocated or memory is read."""
+        check_specs(specs, declared_bytes, self.model.state_dict())
 
     @property
     def staged_tensors(self) -> int:

@@ -7,7 +7,10 @@ Conventions the trainer relies on:
   token may be drawn; the logprob is still taken under the unrestricted
   tempered distribution, which is what the trainer recomputes (and what SGLang
   returns by default).
-- temperature 0 is greedy decoding; its logprobs are ``log_softmax(logits)``.
+- temperature below ``GREEDY_BELOW`` (0 included) is greedy decoding; its logprobs are
+  ``log_softmax(logits)``. Dividing by a temperature that small overflows float32
+  (below ~1e-38 the logits become inf and the logprobs NaN), and at 1e-5 the tempered
+  distribution is already one-hot for any logit gap float32 can resolve.
 - Each row draws its uniform from ``rng.counter_uniforms`` keyed by
   ``(seed, output token index)``, so a request's tokens do not depend on which
   other requests share its batch, nor on retraction or re-prefill.
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engines.inference.rng import counter_uniforms
-from sluice.engines.inference.types import SamplingParams
+from sluice.engines.inference.types import GREEDY_BELOW, SamplingParams
 
 
 def sample_tokens(
@@ -36,13 +39,16 @@ def sample_tokens(
     """
     device = logits.device
     temps = [p.temperature for p in params]
-    greedy_rows = [t == 0.0 for t in temps]
+    greedy_rows = [t < GREEDY_BELOW for t in temps]
     if all(t == temps[0] for t in temps):
         # One temperature for the whole batch (the usual case): a scalar divide, and
         # none at 1.0 (x / 1.0 == x exactly), instead of a per-row tensor.
-        scaled = logits if temps[0] in (0.0, 1.0) else logits / temps[0]
+        scaled = logits if greedy_rows[0] or temps[0] == 1.0 else logits / temps[0]
     else:
-        temperature = torch.tensor([t if t > 0.0 else 1.0 for t in temps], device=device)
+        temperature = torch.tensor(
+            [1.0 if greedy else t for t, greedy in zip(temps, greedy_rows, strict=True)],
+            device=device,
+        )
         scaled = logits / temperature[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     probs = logp.exp()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from math import inf
 from typing import Literal
 
 from sluice.engines.rl.trajectory import version_bounds
@@ -23,6 +24,9 @@ from sluice.engines.rl.trajectory import version_bounds
 FinishReason = Literal["stop", "length", "abort"]
 """Why a response ended: a stop/EOS token, a token budget, or an abort."""
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this decodes greedily (``sampling``): dividing logits by less
+overflows float32 into NaN logprobs."""
 TOP_K_OFF = 1 << 30
 """top_k values at or above this are "off" (SGLang's default is ``1 << 30``)."""
 
@@ -57,7 +61,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     """Upper bound on generated tokens (also bounded by ``max_seq_len``)."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy decoding."""
+    """Softmax temperature; 0 (or anything below ``GREEDY_BELOW``) means greedy decoding."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 disables it."""
     top_k: int = -1
@@ -75,8 +79,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not isinstance(self.temperature, int | float) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):

@@ -13,25 +13,32 @@ calls (``/init_weights_update_group``, ``/update_weights_from_distributed``,
   order the request's ``names`` lists them (SGLang's ``load_format:
   "flattened_bucket"``). Every collective has a deadline: a peer that dies or never
   comes ends the call in an error, never a hang.
-- **Shared memory** (``serialize_named_tensors``): a list of ``(name, tensor)`` pickled
-  with torch's multiprocessing reductions, so a CPU tensor travels as the name of a
-  shared-memory segment and a CUDA tensor as an IPC handle: the receiver maps the
-  sender's memory, and the only copy is the one into its own weights. Unpickling runs
-  code, so ``deserialize_named_tensors`` admits only the classes and functions these
-  reductions use, and a server takes such a body only from its own host.
+- **Shared memory** (``serialize_named_tensors``): a JSON document of handles
+  (``tensor_handles``), so a CPU tensor travels as the name of a shared-memory segment
+  and a CUDA tensor as an IPC handle. The receiver checks the document against the
+  served architecture, then copies the sender's memory into its own (never a pickle,
+  never a lasting mapping); a server takes such a body only from its own host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import io
-import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from sluice.engines.inference.tensor_handles import (
+    Checker,
+    HandleError,
+    decode_handles,
+    encode_handles,
+)
+
+# The receivers' refusal, re-exported: the serving layer reaches engines through here.
+from sluice.engines.inference.weight_specs import SpecMismatch as SpecMismatch
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 """SGLang's default ``group_name``."""
@@ -299,39 +306,9 @@ def first_line(exc: BaseException) -> str:
 
 # ------------------------------------------------------------ shared memory
 
-_ALLOWED = {
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
-    ("torch.multiprocessing.reductions", "rebuild_parameter"),
-    ("torch.multiprocessing.reductions", "rebuild_parameter_with_state"),
-    ("torch._utils", "_rebuild_tensor"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch", "Tensor"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"),
-    ("torch.nn.parameter", "Parameter"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _HandleUnpickler(pickle.Unpickler):
-    """Rebuilds shared tensors and nothing else (a pickle can otherwise call anything)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a tensor handle's part")
-
 
 def shared(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in memory another process can map: a CPU tensor moved to a named
+    """``tensor`` in memory another process can read: a CPU tensor moved to a named
     shared-memory segment (any unrelated process on the host can open it by name, where
     torch's default passes a descriptor over a socket to its own children only); a CUDA
     tensor is shareable as it is (IPC)."""
@@ -344,35 +321,21 @@ def shared(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> bytes:
-    """Handles to ``named`` (each made by ``shared``): a few hundred bytes per tensor,
-    valid while the sender keeps the tensors alive."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  registers the reductions
-
+    """Handles to ``named`` (each made by ``shared``) as a ``tensor_handles`` JSON
+    document: a few hundred bytes per tensor, valid while the sender keeps the tensors
+    alive."""
     if any(not (t.is_cuda or t.is_shared()) for _, t in named):
         raise WeightTransferError("serialize_named_tensors takes tensors made by shared()")
-    buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(list(named))
-    return buffer.getvalue()
+    return encode_handles(named)
 
 
-def deserialize_named_tensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` list ``serialize_named_tensors`` made, mapped from the
-    sender's memory. WeightTransferError for anything else (including handles whose
-    memory is gone)."""
-    import torch.multiprocessing  # noqa: F401  registers the reductions the handles name
-
+def deserialize_named_tensors(
+    data: bytes, check: Checker, *, device: torch.device | str = "cpu"
+) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` list ``serialize_named_tensors`` made, copied out of the
+    sender's memory into this process's (``tensor_handles``); ``check`` vets the specs
+    first. WeightTransferError for anything else (including memory that is gone)."""
     try:
-        named = _HandleUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:
-        raise WeightTransferError(f"cannot map the tensors sent: {first_line(exc)}") from exc
-    if not isinstance(named, list) or not all(
-        isinstance(item, tuple | list)
-        and len(item) == 2
-        and isinstance(item[0], str)
-        and isinstance(item[1], torch.Tensor)
-        for item in named
-    ):
-        raise WeightTransferError("the tensors sent are not a list of (name, tensor) pairs")
-    return [(str(n), t) for n, t in named]
+        return decode_handles(data, check, device=device)
+    except HandleError as exc:
+        raise WeightTransferError(f"cannot read the tensors sent: {exc}") from exc

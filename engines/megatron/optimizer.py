@@ -101,7 +101,9 @@ class MegatronPolicyOptimizer:
     def load(self, path: Path) -> None:
         """Restore what ``save`` wrote (collective over data-parallel replicas)."""
         with cpu_shim.cpu_only(), torch.no_grad():
-            self.optimizer.load_state_dict(torch.load(path, weights_only=False))
+            # Tensors and plain values only: a planted pickle in the trainer state must
+            # not run code in the trainer (the format is torch's own, nothing else needed).
+            self.optimizer.load_state_dict(torch.load(path, weights_only=True))
             if not self.distributed:
                 return
             # ``load_state_dict`` has restored torch Adam's per-parameter ``step``; the

@@ -230,13 +230,18 @@ def _load_gguf(path: Path) -> tuple[Any, Any, Any]:
     folder, name = str(path.parent), path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # On the meta device first: the config is the file's claim, and a small file
+        # may claim a model of terabytes; nothing is allocated until the tensors agree.
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except Exception as exc:  # an architecture transformers has no mapping or class for
         architecture = gguf_architecture(path)
         raise ModelImportError(
             f"transformers {transformers.__version__} cannot load GGUF architecture "
             f"'{architecture}' ({path}) as a causal LM: {_one_line(exc)}"
         ) from exc
+    check_declared_size(path, skeleton, gguf_tensor_elements(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
         missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
@@ -257,6 +262,35 @@ def _load_gguf(path: Path) -> tuple[Any, Any, Any]:
         raise ModelImportError(f"cannot read the tokenizer of '{path}': {_one_line(exc)}") from exc
     follow_special_tokens(tokenizer, gguf_special_token_ids(path))
     return model.eval(), tokenizer, None
+
+
+def gguf_tensor_elements(path: Path) -> int:
+    """How many weights the tensors of a GGUF file hold (the reader maps each tensor's
+    bytes, so a file shorter than its tensors fails here)."""
+    from gguf import GGUFReader
+
+    try:
+        return sum(int(tensor.n_elements) for tensor in GGUFReader(str(path)).tensors)
+    except Exception as exc:  # a truncated or damaged file fails anywhere in the header
+        raise ModelImportError(f"cannot read GGUF file '{path}': {_one_line(exc)}") from exc
+
+
+def check_declared_size(source: Path, skeleton: Any, stored: int) -> None:
+    """Refuse, in one line, a source whose config declares more parameters than its
+    tensors hold (`skeleton`: the model built on the meta device; `stored`: the weights
+    the files hold). Fewer declared is left to the load, which names what does not fit."""
+    declared = sum(p.numel() for p in skeleton.parameters())
+    if declared > stored:
+        config = skeleton.config
+        shape = ", ".join(
+            f"{key} {getattr(config, key)}"
+            for key in ("num_hidden_layers", "hidden_size", "vocab_size")
+            if getattr(config, key, None) is not None
+        )
+        raise ModelImportError(
+            f"'{source}' declares a model of {declared:,} parameters ({shape}) but its "
+            f"tensors hold {stored:,}: its config does not match its weights"
+        )
 
 
 # The GGUF's own ids of the tokenizer's special tokens (llama.cpp's metadata keys).
@@ -310,6 +344,7 @@ def _load_huggingface(path: Path, dtype: str) -> tuple[Any, Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise ModelImportError(f"cannot load the tokenizer of '{path}': {_one_line(exc)}") from exc
+    _check_directory_size(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype), local_files_only=True
@@ -325,6 +360,73 @@ def _load_huggingface(path: Path, dtype: str) -> tuple[Any, Any, Any]:
                 f"cannot read '{path / 'generation_config.json'}': {_one_line(exc)}"
             ) from exc
     return model.eval(), tokenizer, generation
+
+
+# Bytes per element of the safetensors dtypes Sluice meets (others are not checked).
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2}
+_SAFETENSORS_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def safetensors_elements(model_dir: str | Path) -> int | None:
+    """How many weights the directory's ``*.safetensors`` files hold, read from their
+    headers alone (None when there are none). ModelImportError, in one line, for a header
+    whose tensors do not fit the file's bytes: the count is what a model's declared
+    size is checked against before anything is allocated (`check_declared_size`).
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        try:
+            with file.open("rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                room = file.stat().st_size - 8 - length
+                if length > _MAX_HEADER_BYTES or room < 0:
+                    raise ModelImportError(f"'{file}' is not a safetensors file (bad header)")
+                header = json.loads(handle.read(length))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelImportError(f"cannot read '{file}': {exc}") from exc
+        if not isinstance(header, dict):
+            raise ModelImportError(f"'{file}' is not a safetensors file (bad header)")
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                count = 1
+                for dim in entry["shape"]:
+                    count *= int(dim)
+                start, end = (int(offset) for offset in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ModelImportError(
+                    f"'{file}': tensor {name!r} has no shape or offsets"
+                ) from exc
+            width = _SAFETENSORS_BYTES.get(str(entry.get("dtype")))
+            if not 0 <= start <= end <= room or (width and (end - start) != count * width):
+                raise ModelImportError(
+                    f"'{file}': tensor {name!r} declares {count:,} elements that its bytes "
+                    f"[{start}, {end}) of {room} do not hold"
+                )
+            total += count
+    return total
+
+
+def _check_directory_size(path: Path) -> None:
+    """A model directory's declared size against its safetensors (as for a GGUF)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stored = safetensors_elements(path)
+    if stored is None:
+        return  # pytorch_model.bin: its sizes are known only by loading it
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:
+        raise ModelImportError(f"cannot load a causal LM from '{path}': {_one_line(exc)}") from exc
+    check_declared_size(path, skeleton, stored)
 
 
 def _ids(value: Any) -> list[int]:

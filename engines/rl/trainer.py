@@ -156,7 +156,7 @@ class PolicyTrainer(LogprobPasses):
         if rng_path.exists():
             # Re-seeding on load would replay step 1's minibatch split after every restart
             # (or Prefect retry), so a resumed seeded run would leave the uninterrupted one.
-            self._generator.set_state(torch.load(rng_path))
+            self._generator.set_state(torch.load(rng_path, weights_only=True))
 
     # ------------------------------------------------ what another backend replaces
 

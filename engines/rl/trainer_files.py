@@ -135,7 +135,8 @@ def load_optimizer_state(path: Path, map_location: Any) -> dict[str, Any]:
     silently shorter state."""
     import torch
 
-    state = torch.load(path, map_location=map_location)
+    # weights_only: tensors and plain values, never code (the files come from storage).
+    state = torch.load(path, map_location=map_location, weights_only=True)
     count = int(state.pop(PARTS_KEY, 1))
     for index in range(1, count):
         part = path.parent / optimizer_part_file(index)
@@ -144,7 +145,8 @@ def load_optimizer_state(path: Path, map_location: Any) -> dict[str, Any]:
                 f"{str(path.parent)!r} holds optimizer state in {count} parts but not "
                 f"{part.name}: the trainer state is incomplete"
             )
-        state["state"].update(torch.load(part, map_location=map_location)["state"])
+        part_state = torch.load(part, map_location=map_location, weights_only=True)
+        state["state"].update(part_state["state"])
     return state
 
 

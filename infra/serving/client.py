@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 
 from sluice.infra.serving import protocol
+from sluice.infra.serving.auth import bearer_headers
+from sluice.infra.serving.client_weights import WeightGroupCalls
 from sluice.infra.serving.errors import (  # noqa: F401  (importable from here as before)
     InferenceServerError,
     InferenceServerUnreachableError,
@@ -32,7 +34,7 @@ from sluice.infra.serving.errors import (  # noqa: F401  (importable from here a
 from sluice.infra.serving.protocol import GenerateResponse, PauseMode
 
 
-class InferenceClient:
+class InferenceClient(WeightGroupCalls):
     """Async client over one or more SGLang-compatible servers."""
 
     def __init__(
@@ -42,10 +44,12 @@ class InferenceClient:
         *,
         default_weight_version: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         """`base_urls`: server roots such as ``http://10.0.0.5:30000`` (at least one);
         `timeout_s`: per request (long responses take minutes); `default_weight_version`:
-        the version SGLang's ``"default"`` label means; `transport`: an httpx transport."""
+        the version SGLang's ``"default"`` label means; `transport`: an httpx transport;
+        `api_key`: the run's token, sent as a bearer token (SGLang's ``--api-key``)."""
         urls = [u.rstrip("/") for u in base_urls]
         if not urls:
             raise ValueError("InferenceClient needs at least one base URL")
@@ -69,11 +73,13 @@ class InferenceClient:
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+            headers=bearer_headers(api_key),
         )
         self._control = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
             limits=httpx.Limits(max_connections=8, max_keepalive_connections=8),
+            headers=bearer_headers(api_key),
         )
         self._in_flight = dict.fromkeys(urls, 0)
         self._cursor = itertools.count()
@@ -325,15 +331,17 @@ class InferenceClient:
         *,
         abort_all_requests: bool = False,
         urls: Sequence[str] | None = None,
+        label: str | None = None,
     ) -> dict[str, int]:
         """Load the checkpoint at ``path`` (visible to every server) as policy ``version``
-        on every server, or on ``urls`` only.
+        on every server, or on ``urls`` only. `label`: the update's ``weight_version``
+        in (incarnation, step) form (infra/serving/versions.py); default the bare step.
 
         Returns each server's count of requests paused across the update.
         """
         body = protocol.UpdateWeightsBody(
             model_path=str(path),
-            weight_version=protocol.version_label(int(version)),
+            weight_version=label or protocol.version_label(int(version)),
             abort_all_requests=abort_all_requests,
         )
         answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_DISK, body, urls)
@@ -346,82 +354,6 @@ class InferenceClient:
                 )
             paused[url] = int(answer.get("num_paused_requests", 0))
         return paused
-
-    def _check_answers(self, answers: dict[str, Any], what: str) -> None:
-        for url, answer in answers.items():
-            if not isinstance(answer, dict) or not answer.get("success"):
-                message = answer.get("message") if isinstance(answer, dict) else answer
-                raise InferenceServerError(
-                    url, f"inference server {url} failed to {what}: {message}"
-                )
-
-    async def init_weights_update_group(
-        self, master_address: str, master_port: int, backend: str, group_name: str
-    ) -> None:
-        """Every server joins the weight group hosted by rank 0 at
-        ``master_address:master_port``: server i as rank i + 1 of ``len(base_urls) + 1``
-        (SGLang's ``/init_weights_update_group``). Returns once every server has joined."""
-        world_size = len(self.base_urls) + 1
-
-        async def join(index: int, url: str) -> Any:
-            body = {
-                "master_address": master_address, "master_port": int(master_port),
-                "rank_offset": index + 1, "world_size": world_size,
-                "group_name": group_name, "backend": backend,
-            }  # fmt: skip
-            try:
-                return await self._request(url, "POST", protocol.INIT_WEIGHTS_UPDATE_GROUP, body)
-            except InferenceServerError as exc:
-                return {"success": False, "message": str(exc)}
-
-        answers = await asyncio.gather(*(join(i, u) for i, u in enumerate(self.base_urls)))
-        self._check_answers(
-            dict(zip(self.base_urls, answers, strict=True)), "join the weight group"
-        )
-
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        """Every server leaves the weight group (best effort: a server without it is fine)."""
-        await asyncio.gather(
-            *(
-                self._request(
-                    url, "POST", protocol.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": group_name}
-                )
-                for url in self.base_urls
-            ),
-            return_exceptions=True,
-        )
-
-    async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        version: int,
-        group_name: str,
-    ) -> None:
-        """Every server receives one flattened bucket broadcast by rank 0 of the weight
-        group (SGLang's ``/update_weights_from_distributed``); a version sent in several
-        buckets is served once the last has arrived."""
-        body = {
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "weight_version": protocol.version_label(int(version)),
-            "load_format": "flattened_bucket",
-        }  # fmt: skip
-        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
-        self._check_answers(answers, f"receive policy version {version}")
-
-    async def update_weights_from_tensor(
-        self, serialized: Sequence[str], version: int, *, url: str
-    ) -> None:
-        """Server ``url`` maps the tensors ``serialized`` (base64 handles to shared memory
-        or CUDA IPC on its host) as policy ``version`` (SGLang's
-        ``/update_weights_from_tensor``). One server per call: a handle is mapped once."""
-        body = {
-            "serialized_named_tensors": list(serialized),
-            "weight_version": protocol.version_label(int(version)),
-        }
-        answers = await self._broadcast("POST", protocol.UPDATE_WEIGHTS_FROM_TENSOR, body, [url])
-        self._check_answers(answers, f"map policy version {version}")
 
     async def load_lora_adapter(
         self, path: str, version: int, *, urls: Sequence[str] | None = None

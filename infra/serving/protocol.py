@@ -182,17 +182,24 @@ class UpdateWeightsAnswer(TypedDict):
 # --------------------------------------------------------- weight versions
 
 
-def version_label(version: int) -> str:
-    """The wire label of an integer policy version."""
-    return str(version)
+def version_label(version: int, incarnation: int | None = None) -> str:
+    """The wire label of policy step ``version``; with ``incarnation``, ``r<r>/v<k>``,
+    the form an update names its (incarnation, step) in (``versions``)."""
+    return str(version) if incarnation is None else f"r{int(incarnation)}/v{int(version)}"
 
 
 def parse_version_label(label: Any) -> int | None:
-    """The integer policy version ``label`` names (an int or a decimal string), else None."""
+    """The integer policy step ``label`` names (an int, a decimal string, or the step of
+    an ``r<r>/v<k>`` label, as SGLang echoes an update's label back), else None."""
     if isinstance(label, int) and not isinstance(label, bool):
         return int(label)
-    if isinstance(label, str) and label.strip().lstrip("-").isdigit():
-        return int(label.strip())
+    if isinstance(label, str):
+        text = label.strip()
+        head, slash, step = text.partition("/v")
+        if slash and head[:1] == "r" and head[1:].isdigit() and step.isdigit():
+            return int(step)
+        if text.lstrip("-").isdigit():
+            return int(text)
     return None
 
 

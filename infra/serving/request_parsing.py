@@ -11,20 +11,17 @@ them off, so a request never silently means something else here than on SGLang.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
+from sluice.infra.serving.limits import ServerLimits
+from sluice.infra.serving.protocol import SGLANG_SAMPLING_KEYS, contract_error_body, error_body
 
 if TYPE_CHECKING:
     from fastapi import Request
-from sluice.infra.serving.protocol import (
-    SGLANG_SAMPLING_KEYS,
-    contract_error_body,
-    error_body,
-    parse_version_label,
-)
 
 # Keys that only shape text/streaming output: accepted with any value.
 _INERT_SAMPLING_KEYS = frozenset(
@@ -95,7 +92,8 @@ def _is_neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite JSON number (``Infinity`` and ``NaN`` never reach here: ``parse_json``)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -139,7 +137,9 @@ def parse_sampling_params(raw: Any, index: int | None = None) -> tuple[dict[str,
     for key in ("temperature", "top_p"):
         value = raw.get(key)
         if value is not None:
-            params[key] = float(_expect(value, _is_number, f"{where}.{key} must be a number"))
+            params[key] = float(
+                _expect(value, _is_number, f"{where}.{key} must be a finite number")
+            )
     value = raw.get("top_k")
     if value is not None:
         params["top_k"] = _expect(value, _is_int, f"{where}.top_k must be an integer")
@@ -177,8 +177,14 @@ def _per_item(value: Any, count: int, name: str, batched: bool) -> list[Any]:
     return [value] * count
 
 
-def parse_generate_body(body: Any, tokenizer: Any) -> tuple[list[GenerateItem], int, bool]:
-    """Validate a /generate body; return the prompts, n, and whether the input was batched."""
+def parse_generate_body(
+    body: Any, tokenizer: Any, limits: ServerLimits | None = None, max_context: int | None = None
+) -> tuple[list[GenerateItem], int, bool]:
+    """Validate a /generate body; return the prompts, n, and whether the input was batched.
+    ``limits`` bounds n and prompts per call before any prompt is tokenized or expanded;
+    ``max_new_tokens`` may not exceed ``max_context`` (the model's context: no more can
+    ever be generated, and the engine stops a sequence at its slot's length anyway)."""
+    limits = limits or ServerLimits()
     if not isinstance(body, dict):
         raise BadRequestError("the /generate body must be a JSON object", contract=True)
     for key, neutral in _NEUTRAL_REQUEST_VALUES.items():
@@ -203,20 +209,22 @@ def parse_generate_body(body: Any, tokenizer: Any) -> tuple[list[GenerateItem], 
             raise BadRequestError(
                 "input_ids must be a list of token ids or a list of such lists", contract=True
             )
+        _check_prompt_count(len(prompts), limits)
         for p in prompts:
             if not all(_is_int(t) for t in p):
                 raise BadRequestError("input_ids entries must be integers", contract=True)
     else:
-        if tokenizer is None:
-            raise BadRequestError(
-                "text input needs a tokenizer, and the model directory has none; send input_ids"
-            )
         if isinstance(text, str):
             batched, texts = False, [text]
         elif isinstance(text, list) and all(isinstance(t, str) for t in text):
             batched, texts = True, text
         else:
             raise BadRequestError("text must be a string or a list of strings", contract=True)
+        _check_prompt_count(len(texts), limits)
+        if tokenizer is None:
+            raise BadRequestError(
+                "text input needs a tokenizer, and the model directory has none; send input_ids"
+            )
         prompts = [list(tokenizer.encode(t)) for t in texts]
     if not prompts:
         raise BadRequestError("the batch holds no prompts")
@@ -233,6 +241,20 @@ def parse_generate_body(body: Any, tokenizer: Any) -> tuple[list[GenerateItem], 
     if len(ns) != 1:
         raise BadRequestError("every sampling_params entry of a batch must use the same n")
     n = ns.pop()
+    if n > limits.max_n:
+        raise BadRequestError(f"sampling_params.n is {n}, over this server's bound {limits.max_n}")
+    if n * count > limits.max_queued_requests:
+        raise BadRequestError(
+            f"{count} prompts x n={n} is {n * count} samples, over this server's queue bound "
+            f"{limits.max_queued_requests}"
+        )
+    for index, (params, _) in enumerate(parsed):
+        asked = params.get("max_new_tokens")
+        if max_context is not None and asked is not None and asked > max_context:
+            where = f"prompt {index}: " if count > 1 else ""
+            raise BadRequestError(
+                f"{where}max_new_tokens={asked} is over the model's context of {max_context} tokens"
+            )
     logprob_flags = _per_item(body.get("return_logprob"), count, "return_logprob", batched)
     for flag in logprob_flags:
         if flag is not None and not isinstance(flag, bool):
@@ -266,14 +288,12 @@ def parse_generate_body(body: Any, tokenizer: Any) -> tuple[list[GenerateItem], 
     return items, n, batched or n > 1
 
 
-def parse_update_version(value: Any, current: int) -> int:
-    """The policy version an ``/update_weights_from_disk`` body asks for (default: next)."""
-    if value is None:
-        return current + 1
-    version = parse_version_label(value)
-    if version is None:
-        raise BadRequestError(f"weight_version must be an integer policy version, got {value!r}")
-    return version
+def _check_prompt_count(count: int, limits: ServerLimits) -> None:
+    if count > limits.max_prompts_per_call:
+        raise BadRequestError(
+            f"the call holds {count} prompts, over this server's bound "
+            f"{limits.max_prompts_per_call}"
+        )
 
 
 def expand_samples(
@@ -303,13 +323,25 @@ def expand_samples(
 
 
 async def json_body(request: Request, *, allow_empty: bool) -> Any:
-    """A request's JSON body (`{}` for an empty one when `allow_empty`); 400 if it is none."""
-    raw = await request.body()
+    """A request's JSON body (`{}` for an empty one when `allow_empty`); 400 if it is none.
+    Its size is bounded before it is read (``limits.BodyLimit``)."""
+    return parse_json(await request.body(), allow_empty=allow_empty)
+
+
+def parse_json(raw: bytes, *, allow_empty: bool) -> Any:
+    """``raw`` as JSON; BadRequestError in one line for anything else, ``NaN`` and
+    ``Infinity`` included (Python's parser takes them; JSON has no such numbers)."""
     if not raw.strip():
         if allow_empty:
             return {}
         raise BadRequestError("the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise BadRequestError("the request body is nested too deeply") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")

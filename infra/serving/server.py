@@ -5,11 +5,13 @@ Serves ``sluice.engines.inference`` over the routes and bodies of
 this server and a real SGLang server with the same client. Request validation
 lives in ``request_parsing``.
 
-Departures from SGLang: weight versions are integers (SGLang accepts any
-string); ``update_weights_from_disk`` without ``weight_version`` serves the
-current version + 1; there is no streaming, no stop strings, no penalties or
-constrained decoding (asking for them is a 400, not a silent no-op); with
-``n > 1`` and a ``sampling_seed`` sample j uses seed ``sampling_seed + j``.
+Departures from SGLang: weight versions are policy steps, or ``r<incarnation>/v<step>``
+labels (SGLang accepts any string), and an update older in (incarnation, step) order
+than what is served is refused (``versions``); ``update_weights_from_disk`` without
+``weight_version`` serves the current version + 1; ``n``, prompts per call, body bytes
+and the waiting queue are bounded (``limits``); there is no streaming, no stop strings,
+no penalties or constrained decoding (asking for them is a 400, not a silent no-op);
+with ``n > 1`` and a ``sampling_seed`` sample j uses seed ``sampling_seed + j``.
 An unknown sampling key is a 400 whose body, like SGLang's contract check,
 is ``{"error": "unknown field `key`, expected one of ..."}``. ``/metrics`` (Prometheus
 text, ``server_metrics``) is always on, where SGLang needs ``--enable-metrics``.
@@ -31,23 +33,21 @@ from typing import TYPE_CHECKING, Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from sluice.engines.inference.types import EngineShutdownError, PauseMode, WeightLoadError
+from sluice.engines.inference.types import PauseMode, WeightLoadError
 from sluice.infra.process_stats import peak_rss_mb
 from sluice.infra.serving import protocol
-from sluice.infra.serving.adapters import add_adapter_routes, check_adapter_names
-from sluice.infra.serving.request_parsing import (
-    BadRequestError,
-    expand_samples,
-    json_body,
-    parse_generate_body,
-    parse_update_version,
-)
+from sluice.infra.serving.adapters import add_adapter_routes
+from sluice.infra.serving.auth import read_token_file, require_token
+from sluice.infra.serving.generate_route import add_generate_route
+from sluice.infra.serving.limits import BodyLimit, ServerLimits, add_limit_arguments, limits_of
+from sluice.infra.serving.request_parsing import BadRequestError, json_body
 from sluice.infra.serving.server_metrics import (
     CONTENT_TYPE,
     METRICS_ROUTE,
     RecordingEngine,
     ServingMetrics,
 )
+from sluice.infra.serving.versions import VersionOrder, parse_label
 from sluice.infra.serving.weight_routes import add_weight_routes
 
 if TYPE_CHECKING:
@@ -73,10 +73,17 @@ def create_app(
     served_model_name: str | None = None,
     shutdown_engine_on_exit: bool = False,
     weight_group_timeout_s: float = 60.0,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """FastAPI app serving ``engine``; starts its scheduler thread on startup. A weight
-    group's collectives (``weight_routes``) end within ``weight_group_timeout_s``."""
+    group's collectives (``weight_routes``) end within ``weight_group_timeout_s``. With
+    `api_key`, every route but /health and /metrics needs it as a bearer token (auth.py).
+    `limits` bounds what one request may ask (``limits.ServerLimits``)."""
     from contextlib import asynccontextmanager
+
+    limits = limits or ServerLimits()
+    order = VersionOrder()  # updates only move forward in (incarnation, step): versions.py
 
     state = _ServerState(
         engine=engine,
@@ -97,6 +104,8 @@ def create_app(
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Sluice inference server", lifespan=lifespan)
+    require_token(app, api_key)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
 
     @app.exception_handler(BadRequestError)
     async def _bad_request(_: Request, exc: BadRequestError) -> JSONResponse:
@@ -114,51 +123,7 @@ def create_app(
             return ""
         return str(state.tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    @app.api_route(protocol.GENERATE, methods=["POST", "PUT"])
-    async def generate(request: Request) -> JSONResponse:
-        body = check_adapter_names(await json_body(request, allow_empty=False), state.adapters)
-        items, n, as_list = parse_generate_body(body, state.tokenizer)
-        expanded = expand_samples(items, n)
-        # Validate everything before queueing anything: a bad prompt in a
-        # batch rejects the whole call and leaves nothing half-submitted.
-        for index, (gen_request, _, _) in enumerate(expanded):
-            try:
-                engine.validate_request(gen_request)
-            except ValueError as exc:
-                where = f"prompt {index // n}: " if len(items) > 1 else ""
-                raise BadRequestError(f"{where}{exc}") from exc
-        engine_ids: list[str] = []
-        try:
-            # One arrival: the engine's next step holds the whole call (a GRPO group, or
-            # an on-policy batch), scheduled as the in-process loop schedules it.
-            engine_ids = engine.submit_many(gen_request for gen_request, _, _ in expanded)
-            for engine_id, (_, _, display) in zip(engine_ids, expanded, strict=True):
-                state.rid_to_engine_ids.setdefault(display, []).append(engine_id)
-            outputs = await asyncio.gather(
-                *(asyncio.wrap_future(engine.future(i)) for i in engine_ids)
-            )
-        except EngineShutdownError as exc:
-            return JSONResponse(protocol.error_body(str(exc), 503), status_code=503)
-        except asyncio.CancelledError:
-            for engine_id in engine_ids:
-                engine.abort(engine_id, "client disconnected")
-            raise
-        finally:
-            for engine_id in engine_ids:
-                engine.forget(engine_id)
-            for _, _, display in expanded:
-                state.rid_to_engine_ids.pop(display, None)
-        responses = [
-            protocol.encode_generate_response(
-                output,
-                display_id=display,
-                return_logprob=item.return_logprob,
-                current_version=engine.weight_version,
-                text=_decode(output.output_token_ids),
-            )
-            for output, (_, item, display) in zip(outputs, expanded, strict=True)
-        ]
-        return JSONResponse(responses if as_list else responses[0])
+    add_generate_route(app, engine, state, limits, _decode)
 
     @app.post(protocol.PAUSE_GENERATION)
     async def pause_generation(request: Request) -> JSONResponse:
@@ -198,7 +163,8 @@ def create_app(
         abort_all = body.get("abort_all_requests", False)
         if not isinstance(abort_all, bool):
             raise BadRequestError("abort_all_requests must be a boolean")
-        version = parse_update_version(body.get("weight_version"), engine.weight_version)
+        label = parse_label(body.get("weight_version"), engine.weight_version)
+        version = order.admit(label, engine.weight_version)
         try:
             report = await asyncio.to_thread(
                 updates.update_weights_from_disk, model_path, version, abort_all_requests=abort_all
@@ -209,6 +175,7 @@ def create_app(
             )
             return JSONResponse(failed, status_code=400)
         state.model_path = model_path
+        order.served(label)
         return JSONResponse(
             protocol.UpdateWeightsAnswer(
                 success=True,
@@ -291,7 +258,7 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     add_adapter_routes(app, updates, state.adapters)
-    add_weight_routes(app, updates, weight_group_timeout_s)
+    add_weight_routes(app, updates, weight_group_timeout_s, limits, order)
 
     @app.get(protocol.HEALTH)
     @app.get(protocol.HEALTH_GENERATE)
@@ -366,6 +333,8 @@ def serve(
     log_level: str = "info",
     weight_noise_std: float = 0.0,
     weight_group_timeout_s: float = 60.0,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Load ``model_dir`` and serve it until interrupted."""
     import uvicorn
@@ -389,6 +358,8 @@ def serve(
         served_model_name=served_model_name,
         shutdown_engine_on_exit=True,
         weight_group_timeout_s=weight_group_timeout_s,
+        api_key=api_key,
+        limits=limits,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
@@ -449,7 +420,12 @@ def main(argv: list[str] | None = None) -> None:
         help="deadline of every collective in a weight group (/init_weights_update_group): "
         "forming it, and each broadcast a trainer sends",
     )
+    parser.add_argument(
+        "--api-key-file", help="0600 file with the bearer token (SGLang's --api-key)"
+    )
+    add_limit_arguments(parser)
     args = parser.parse_args(argv)
+    api_key = read_token_file(args.api_key_file) if args.api_key_file else None
     if args.exit_with_parent:
         exit_with_parent(os.getppid())
     from sluice.engines.policy.model import resolve_device
@@ -470,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         weight_noise_std=args.weight_noise_std,
         weight_group_timeout_s=args.weight_group_timeout_s,
+        api_key=api_key,
+        limits=limits_of(args),
     )
 
 

@@ -29,10 +29,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import ipaddress
+import logging
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -41,6 +45,7 @@ from sluice.engines.inference.types import WeightLoadError
 from sluice.engines.inference.weight_sync import (
     DEFAULT_GROUP_NAME,
     FLATTENED_BUCKET,
+    SpecMismatch,
     TensorSpec,
     WeightGroup,
     WeightTransferError,
@@ -50,16 +55,84 @@ from sluice.engines.inference.weight_sync import (
     unflatten,
 )
 from sluice.infra.serving import protocol
-from sluice.infra.serving.request_parsing import BadRequestError, json_body, parse_update_version
+from sluice.infra.serving.limits import ServerLimits
+from sluice.infra.serving.request_parsing import BadRequestError, json_body
+from sluice.infra.serving.versions import UpdateLabel, VersionOrder, parse_label
 
 if TYPE_CHECKING:
     from sluice.engines.inference.engine import InferenceEngine
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-def _answer(success: bool, message: str) -> JSONResponse:
+
+def _answer(success: bool, message: str, status: int = 400) -> JSONResponse:
     return JSONResponse(
-        {"success": success, "message": message}, status_code=200 if success else 400
+        {"success": success, "message": message}, status_code=200 if success else status
     )
+
+
+class _OneAtATime:
+    """Work of one kind (forming a group, a collective), one call at a time, each in a
+    daemon thread of its own off the default executor: however long it waits, the other
+    routes' threads stay free, and a second call while one runs is refused at once
+    instead of queueing behind it. A call still running at its deadline is abandoned
+    (torch's store client can wait forever on a peer that accepts and never answers):
+    the route answers, and the thread is left to end when it ends. At most
+    ``MAX_ABANDONED`` such threads at a time; past that, calls are refused until one
+    ends."""
+
+    MAX_ABANDONED = 2
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._busy = threading.Lock()
+        self._abandoned: list[threading.Thread] = []
+
+    @property
+    def stuck(self) -> int:
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        return len(self._abandoned)
+
+    async def run(self, work: Callable[[], T], deadline_s: float) -> T | None:
+        """``work()``'s result; None when another call runs (or too many are stuck);
+        TimeoutError past ``deadline_s``."""
+        if self.stuck >= self.MAX_ABANDONED or not self._busy.acquire(blocking=False):
+            return None
+        future: Future[T] = Future()
+        # The slot is freed once, by whichever comes first: the work ending, or the route
+        # giving up on it (then the work, ending later, leaves the slot alone).
+        ended = [False]
+        handover = threading.Lock()
+
+        def end() -> None:
+            with handover:
+                first, ended[0] = not ended[0], True
+            if first:
+                self._busy.release()
+
+        def guarded() -> None:
+            # The route may have given up (the future is cancelled then): nobody reads
+            # the outcome, which is dropped.
+            try:
+                result = work()
+            except BaseException as exc:  # handed to the awaiting route
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(exc)
+            else:
+                with contextlib.suppress(InvalidStateError):
+                    future.set_result(result)
+            finally:
+                end()
+
+        thread = threading.Thread(target=guarded, name=self._name, daemon=True)
+        thread.start()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), deadline_s)
+        except (TimeoutError, asyncio.CancelledError):  # past the deadline, or the caller left
+            self._abandoned.append(thread)
+            end()
+            raise
 
 
 def _object(body: Any, route: str, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -132,10 +205,22 @@ def is_same_host(client_host: str | None) -> bool:
     return client_host in _local_addresses()
 
 
-def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: float) -> None:
-    """Serve SGLang's weight-sync routes; a group's collectives end within `group_timeout_s`."""
+def add_weight_routes(
+    app: FastAPI,
+    engine: InferenceEngine,
+    group_timeout_s: float,
+    limits: ServerLimits | None = None,
+    order: VersionOrder | None = None,
+) -> None:
+    """Serve SGLang's weight-sync routes; a group's collectives end within `group_timeout_s`.
+    `limits` bounds who a group may be formed with; `order` is the (r, k) order every
+    update must respect (``versions``)."""
+    limits = limits or ServerLimits()
+    order = order or VersionOrder()
     groups: dict[str, WeightGroup] = {}
-    lock = threading.Lock()  # one collective at a time: a group's ranks must agree on order
+    setup = _OneAtATime("weight-group-setup")
+    # One collective at a time: a group's ranks must agree on order.
+    collectives = _OneAtATime("weight-group-collective")
 
     def drop(name: str) -> None:
         group = groups.pop(name, None)
@@ -154,8 +239,25 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
         world_size = _typed(body, "world_size", int)
         name = _typed(body, "group_name", str, DEFAULT_GROUP_NAME)
         backend = _typed(body, "backend", str, "nccl")
+        if not limits.master_address_allowed(address):
+            # Never dialled: a group is formed with the run's sender only, so this route
+            # cannot be used to probe other addresses.
+            return _answer(
+                False, f"master_address {address[:100]!r} is not the run's weight sender", 403
+            )
+        if not 1 <= port <= 65535:
+            raise BadRequestError(f"master_port must be in [1, 65535], got {port}")
+        if not 2 <= world_size <= limits.max_weight_world_size:
+            raise BadRequestError(
+                f"world_size must be in [2, {limits.max_weight_world_size}], got {world_size}"
+            )
+        if not 1 <= rank_offset < world_size:
+            # Rank 0 hosts the rendezvous: the trainer's, never a server's.
+            raise BadRequestError(f"rank_offset must be in [1, world_size), got {rank_offset}")
+        if len(name) > 200:
+            raise BadRequestError("group_name must be at most 200 characters")
         if backend not in ("nccl", "gloo"):
-            return _answer(False, f"backend {backend!r} is not nccl or gloo")
+            return _answer(False, f"backend {backend[:20]!r} is not nccl or gloo")
         if backend == "nccl" and engine.device.type != "cuda":
             return _answer(
                 False, f"backend 'nccl' needs a GPU; this server runs on {engine.device} (use gloo)"
@@ -163,16 +265,31 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
         if name in groups:
             return _answer(False, f"weight group {name!r} exists; destroy it first")
 
-        def open_group() -> WeightGroup:
-            return WeightGroup(
-                address, port, rank_offset, world_size, backend=backend, group_name=name,
-                timeout_s=group_timeout_s,
-            ).connect()  # fmt: skip
+        def open_group() -> WeightGroup | WeightTransferError:
+            try:
+                return WeightGroup(
+                    address, port, rank_offset, world_size, backend=backend, group_name=name,
+                    timeout_s=group_timeout_s,
+                ).connect()  # fmt: skip
+            except WeightTransferError as exc:
+                log.warning("weight group %r at %s:%d did not form: %s", name, address, port, exc)
+                return exc
 
         try:
-            group = await asyncio.to_thread(open_group)
-        except WeightTransferError as exc:
-            return _answer(False, f"Failed to initialize custom process group: {exc}")
+            group = await setup.run(open_group, 3 * group_timeout_s + 1.0)
+        except TimeoutError:
+            group = WeightTransferError("the rendezvous never answered")
+        if group is None:
+            return _answer(False, "another weight group is being formed; one at a time", 409)
+        if isinstance(group, WeightTransferError):
+            # Fixed text, from the request alone: what a peer at that address answered
+            # is never echoed back (the route would read banners off any port).
+            return _answer(
+                False,
+                f"Failed to initialize custom process group: weight group {name!r} did not "
+                f"form at {address}:{port} (rank {rank_offset} of {world_size}, {backend}) "
+                f"within {group_timeout_s:g} s",
+            )
         groups[name] = group
         return _answer(True, "Succeeded to initialize custom process group.")
 
@@ -188,18 +305,27 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
         await asyncio.to_thread(drop, name)
         return _answer(True, "Succeeded to destroy custom process group.")
 
-    def common(body: dict[str, Any]) -> tuple[int, bool]:
+    def common(body: dict[str, Any]) -> tuple[UpdateLabel, int, bool]:
         if body.get("selector", "all") not in ("target", "all"):
             raise BadRequestError("selector: Sluice's server has no draft model")
         for key in ("flush_cache", "abort_all_requests", "torch_empty_cache"):
             _typed(body, key, bool, False)
-        version = parse_update_version(body.get("weight_version"), engine.weight_version)
-        return version, bool(body.get("abort_all_requests", False))
+        label = parse_label(body.get("weight_version"), engine.weight_version)
+        version = order.admit(label, engine.weight_version)
+        return label, version, bool(body.get("abort_all_requests", False))
 
-    def applied(report: Any, version: int, count: int) -> JSONResponse:
+    def applied(report: Any, label: UpdateLabel, count: int) -> JSONResponse:
         if report is None:
-            return _answer(True, f"Staged {count} tensors of weight version {version}.")
-        return _answer(True, f"Succeeded to update model weights to version {version}.")
+            return _answer(True, f"Staged {count} tensors of weight version {label.step}.")
+        order.served(label)
+        return _answer(True, f"Succeeded to update model weights to version {label.step}.")
+
+    async def apply(named: list[tuple[str, Any]], label: UpdateLabel, abort_all: bool,
+                    source: str) -> Any:  # fmt: skip
+        return await asyncio.to_thread(
+            engine.update_weights_from_tensors, named, label.step,
+            abort_all_requests=abort_all, source=source,
+        )  # fmt: skip
 
     @app.post(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
@@ -212,14 +338,17 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
         load_format = body.get("load_format")
         if load_format not in (None, FLATTENED_BUCKET):
             raise BadRequestError(
-                f"load_format={load_format!r}: expected null or {FLATTENED_BUCKET!r}"
+                f"load_format={str(load_format)[:40]!r}: expected null or {FLATTENED_BUCKET!r}"
             )
-        if load_format == FLATTENED_BUCKET:
-            try:  # before any collective: a refused body leaves the group as it was
+        try:  # before any buffer or collective: a refused body leaves the group as it was
+            if load_format == FLATTENED_BUCKET:
                 check_alignment(specs)
-            except WeightTransferError as exc:
-                raise BadRequestError(str(exc)) from exc
-        version, abort_all = common(body)
+            engine.check_tensor_specs(
+                [(s.name, s.dtype, s.shape) for s in specs], sum(s.nbytes for s in specs)
+            )
+        except (WeightTransferError, SpecMismatch) as exc:
+            raise BadRequestError(str(exc)) from exc
+        label, _, abort_all = common(body)
         group = groups.get(name)
         if group is None:
             return _answer(
@@ -227,8 +356,8 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
                 f"weight group {name!r} does not exist; call {protocol.INIT_WEIGHTS_UPDATE_GROUP} first",
             )
 
-        def receive() -> list[tuple[str, Any]]:
-            with lock:
+        def receive() -> list[tuple[str, Any]] | WeightTransferError:
+            try:
                 if load_format == FLATTENED_BUCKET:
                     flat = empty_bucket(specs, engine.device)
                     group.broadcast(flat)
@@ -239,22 +368,25 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
                     group.broadcast(tensor)
                     out.extend(unflatten(tensor, [spec]))
                 return out
+            except WeightTransferError as exc:
+                return exc
 
         try:
-            named = await asyncio.to_thread(receive)
-        except WeightTransferError as exc:
+            named = await collectives.run(receive, len(specs) * group_timeout_s + 1.0)
+        except TimeoutError:
+            named = WeightTransferError(f"no broadcast within {group_timeout_s:g} s")
+        if named is None:
+            return _answer(False, "another collective is under way; one at a time", 409)
+        if isinstance(named, WeightTransferError):
             await asyncio.to_thread(drop, name)  # its ranks no longer agree: make a new one
             return _answer(
-                False, f"Failed to update parameter online: {exc}; group {name!r} dropped"
+                False, f"Failed to update parameter online: {named}; group {name!r} dropped"
             )
         try:
-            report = await asyncio.to_thread(
-                engine.update_weights_from_tensors, named, version,
-                abort_all_requests=abort_all, source=f"weight group {name!r}",
-            )  # fmt: skip
+            report = await apply(named, label, abort_all, f"weight group {name!r}")
         except (WeightLoadError, ValueError) as exc:
             return _answer(False, str(exc))
-        return applied(report, version, len(named))
+        return applied(report, label, len(named))
 
     @app.post(protocol.UPDATE_WEIGHTS_FROM_TENSOR)
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
@@ -277,24 +409,23 @@ def add_weight_routes(app: FastAPI, engine: InferenceEngine, group_timeout_s: fl
                 f"tensor-parallel rank), got {len(serialized)} entries"
             )
         if body.get("load_format") is not None:
-            raise BadRequestError(f"load_format={body['load_format']!r}: expected null")
-        version, abort_all = common(body)
+            raise BadRequestError(f"load_format={str(body['load_format'])[:40]!r}: expected null")
+        label, _, abort_all = common(body)
         try:
             data = base64.b64decode(serialized[0], validate=True)
         except (binascii.Error, ValueError) as exc:
             raise BadRequestError(f"serialized_named_tensors[0] is not base64: {exc}") from exc
 
-        def load() -> tuple[Any, int]:
-            named = deserialize_named_tensors(data)
-            report = engine.update_weights_from_tensors(
-                named, version, abort_all_requests=abort_all, source="shared memory"
-            )
-            return report, len(named)
+        def read() -> list[tuple[str, Any]]:
+            # Checked against the served model before a byte of the sender's is read;
+            # what is read is this process's own copy (tensor_handles).
+            return deserialize_named_tensors(data, engine.check_tensor_specs, device=engine.device)
 
         try:
-            report, count = await asyncio.to_thread(load)
+            named = await asyncio.to_thread(read)
+            report = await apply(named, label, abort_all, "shared memory")
         except (WeightTransferError, WeightLoadError, ValueError) as exc:
             return _answer(False, f"Failed to update weights from tensors: {exc}")
-        return applied(report, version, count)
+        return applied(report, label, len(named))
 
     app.state.weight_groups = groups

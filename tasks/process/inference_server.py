@@ -3,6 +3,7 @@
 Kept apart from tasks/rollout.py, whose imports (MLflow, Arrow, a tokenizer) take
 seconds: the rollout role starts the server first (`start_early`) so the server's own
 start-up overlaps everything else the roles do before the first prompt is generated.
+Every server asks for the run's token, read from its 0600 file (tasks/run/credential.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any
 
 from sluice.infra.config import RunConfig
 from sluice.infra.docker_servers import SLUICE_IMAGE, ServerSpec
+from sluice.infra.serving.client import InferenceClient
 from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh
 from sluice.tasks.process.ports import free_port
+from sluice.tasks.run.credential import run_token, token_path
 from sluice.tasks.run.paths import START_FILE, read_json, run_paths
 from sluice.tasks.run.threads import role_threads
 
@@ -29,8 +32,11 @@ def server_spec(
     gpus: tuple[int, ...],
     mounts: tuple[str, ...] = (),
     host: str = "127.0.0.1",
+    api_key_file: Path | None = None,
+    weight_master_addresses: tuple[str, ...] = (),
 ) -> ServerSpec:
-    """One server's command and resources, from the run's config."""
+    """One server's command and resources, from the run's config; `api_key_file`: the
+    run's token file, which the server reads (None: open to every caller)."""
     launch = config.servers
     return ServerSpec(
         engine=launch.engine,
@@ -50,13 +56,22 @@ def server_spec(
         host=host,
         lora_rank=config.trainer.lora.rank,
         lora_target_modules=tuple(config.trainer.lora.target_modules),
+        api_key_file=None if api_key_file is None else str(api_key_file),
+        weight_master_addresses=weight_master_addresses,
     )
 
 
 class EmbeddedServer:
     """The built-in SGLang-compatible server, as a child process of the rollout role."""
 
-    def __init__(self, config: RunConfig, model_dir: Path, weight_version: int, log_dir: Path):
+    def __init__(
+        self,
+        config: RunConfig,
+        model_dir: Path,
+        weight_version: int,
+        log_dir: Path,
+        api_key_file: Path | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = Path(model_dir)
@@ -87,6 +102,8 @@ class EmbeddedServer:
         ]
         if config.rollout.max_seq_len is not None:
             argv += ["--max-seq-len", str(config.rollout.max_seq_len)]
+        if api_key_file is not None:  # the path, never the token, on the command line
+            argv += ["--api-key-file", str(api_key_file)]
         from sluice.infra.serving.server import main as serve_main
 
         self.process = start_forked_or_fresh(
@@ -98,6 +115,25 @@ class EmbeddedServer:
 
     def stop(self) -> None:
         self.process.stop(grace_s=10)
+
+
+def embedded_server(
+    config: RunConfig, run_id: str, model_dir: Path, weight_version: int
+) -> EmbeddedServer:
+    """The run's embedded server on `weight_version`, asking for the run's token."""
+    run_token(config, run_id)  # the flow's, or one minted here for a role started alone
+    log_dir = Path(config.workdir) / "runs" / run_id / "logs"
+    return EmbeddedServer(config, model_dir, weight_version, log_dir, token_path(config, run_id))
+
+
+def run_client(
+    config: RunConfig, run_id: str, urls: list[str], timeout_s: float
+) -> InferenceClient:
+    """A client of the run's servers that sends the run's token with every request.
+    External servers (`rollout.server_urls`) are not the run's: they are never sent it
+    (whoever runs them could call the run's weight sender with it)."""
+    token = None if config.rollout.server_urls else run_token(config, run_id)
+    return InferenceClient(urls, timeout_s=timeout_s, api_key=token)
 
 
 def local_checkpoint_dir(uri: str) -> Path | None:
@@ -127,6 +163,5 @@ def start_early(config: RunConfig, run_id: str) -> EmbeddedServer | None:
     model_dir = local_checkpoint_dir(str(start.get("checkpoint_uri", "")))
     if model_dir is None or not (model_dir / "config.json").is_file():
         return None
-    log_dir = Path(config.workdir) / "runs" / run_id / "logs"
     log.info("starting the inference server on policy version %s", start["policy_version"])
-    return EmbeddedServer(config, model_dir, int(start["policy_version"]), log_dir)
+    return embedded_server(config, run_id, model_dir, int(start["policy_version"]))

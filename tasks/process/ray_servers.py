@@ -17,6 +17,11 @@ Two sides use the actors:
   the path on its own node. A restarted server starts from the newest committed version;
   the rollout role brings it to the version it serves (tasks/rollout.py,
   `recover_servers`), as for containers.
+
+A server listens on the address its node registered with Ray, not on every interface,
+and asks for the run's token: the flow hands it to each actor as a call argument, and
+the actor writes it to a 0600 file on its own node for the server to read
+(tasks/run/credential.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,11 +45,15 @@ from sluice.infra.registry import CommittedVersion
 from sluice.tasks.process.inference_server import server_spec
 from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_ranks import NAMESPACE, RAY_ADDRESS_ENV, node_address
-from sluice.tasks.run.paths import SERVERS_FILE, read_json, run_paths, write_launched_servers
+from sluice.tasks.run.credential import verified_servers, write_run_token, write_signed_servers
+from sluice.tasks.run.paths import SERVERS_FILE, read_json, run_paths
 from sluice.tasks.run.versions import fetch_update
 
 log = logging.getLogger(__name__)
 
+NODE_ADDRESS_ENV = "SLUICE_NODE_ADDRESS"
+"""The address this node registered with Ray, set for the roles a Ray node runs
+(tasks/process/supervisor.py, `run_role_on_node`): what their listeners bind."""
 CALL_TIMEOUT_S = 30.0
 """How long the flow waits for an actor to say whether its server runs."""
 PR_SET_PDEATHSIG = 1
@@ -53,6 +63,32 @@ def _die_with_parent() -> None:
     # A server whose actor died (its worker killed) must not keep the node's GPU.
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def private_address() -> str:
+    """The address a listener of this process binds on a cluster: the node's as Ray
+    reports it, never every interface (0.0.0.0 would answer on public ones too)."""
+    address = os.environ.get(NODE_ADDRESS_ENV)
+    if address:
+        return address
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return node_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def cluster_addresses() -> tuple[str, ...]:
+    """Loopback and the address of every live node of the Ray cluster: where a trainer's
+    weight sender may form a weight group from (a node that joins later is not among
+    them; its sender's versions then load from disk)."""
+    import ray
+
+    nodes = [n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")]
+    return ("127.0.0.1", "::1", *sorted({a for a in nodes if a}))
 
 
 class RayServerLost(RuntimeError):
@@ -70,10 +106,12 @@ class ServersNotPlaced(ServerLaunchError):
 class ServerActor:
     """One inference server on the node Ray placed this actor on."""
 
-    def __init__(self, config_json: dict[str, Any], run_id: str, index: int) -> None:
+    def __init__(self, config_json: dict[str, Any], run_id: str, index: int, token: str) -> None:
         self.config = RunConfig.model_validate(config_json)
         self.run_id = run_id
         self.index = index
+        # This node's copy of the run's token, read by the server (never on its argv).
+        self.token_file = write_run_token(self.config, run_id, token)
         local = Path(self.config.workdir) / "runs" / run_id
         self.cache_dir = local / f"server-{index}-weights"
         self.log_path = local / "logs" / f"inference-server-{index}.log"
@@ -89,10 +127,20 @@ class ServerActor:
         """Start the server on `version` and wait until it answers; its URL."""
 
         model_dir = Path(self.prefetch(version_json))
-        port = free_port("0.0.0.0")
+        host = node_address()  # the node's private address, the one other nodes reach
+        port = free_port(host)
         gpus = tuple(range(self.config.servers.gpus_per_server))  # Ray set CUDA_VISIBLE_DEVICES
         version = int(version_json["policy_version"])
-        spec = server_spec(self.config, port, model_dir, version, gpus, host="0.0.0.0")
+        spec = server_spec(
+            self.config,
+            port,
+            model_dir,
+            version,
+            gpus,
+            host=host,
+            api_key_file=self.token_file,
+            weight_master_addresses=cluster_addresses(),
+        )
         argv = [sys.executable, *spec.command()[1:]]  # this node's Python, not the PATH's
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
@@ -103,10 +151,9 @@ class ServerActor:
                 env={**os.environ, **spec.env},
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run the fork here
             )
-        self.url = f"http://{node_address()}:{port}"
+        self.url = f"http://{host}:{port}"
         deadline = time.monotonic() + self.config.servers.start_timeout_s
-        local = f"http://127.0.0.1:{port}"
-        while not healthy(local):
+        while not healthy(self.url):
             code = self.process.poll()
             if code is not None:
                 raise ServerLaunchError(
@@ -161,10 +208,11 @@ def actor_options(config: RunConfig) -> dict[str, Any]:
 class RayServers:
     """The run's server actors, from the flow's side (a Ray driver)."""
 
-    def __init__(self, config: RunConfig, run_id: str) -> None:
+    def __init__(self, config: RunConfig, run_id: str, token: str) -> None:
         self.config = config
         self.shipped = config.model_dump(mode="json")
         self.run_id = run_id
+        self._token = token  # each actor's call argument: it writes its node's file
         count = config.servers.count
         self.actors: list[Any] = [None] * count
         self.names: list[str] = [""] * count
@@ -180,7 +228,7 @@ class RayServers:
         actor = (
             ray.remote(ServerActor)
             .options(name=name, **actor_options(self.config))
-            .remote(self.shipped, self.run_id, index)
+            .remote(self.shipped, self.run_id, index, self._token)
         )
         self.actors[index], self.names[index] = actor, name
         return actor.start.remote(version.model_dump(mode="json"))
@@ -202,7 +250,7 @@ class RayServers:
             except Exception as exc:  # the actor's own error, or its node lost meanwhile
                 failed = failed or exc
         # Published before any error: the servers that did start are the ones to use.
-        write_launched_servers(self.config, self.run_id, list(self.urls), actors=self.names)
+        write_signed_servers(self.config, self.run_id, list(self.urls), actors=self.names)
         if failed is not None:
             raise failed
         if len(ready) < len(pending):
@@ -299,6 +347,7 @@ class ServerActors:
             self.config, f"{run_paths(self.config, self.run_id).control}/{SERVERS_FILE}"
         )
         if document and document.get("actors"):
+            verified_servers(self.config, self.run_id, document)  # before a URL gets the token
             self.urls = [str(u) for u in document["urls"]]
             self.names = [str(n) for n in document["actors"]]
         return list(self.urls)

@@ -5,7 +5,9 @@ The flow picks the servers' ports and writes their URLs for the rollout role
 (`plan_servers`), then runs `serve_inference` beside the roles: a long-lived Prefect
 task that starts the containers on the run's starting version, waits until they
 answer, restarts one that dies, and removes them all when the run stops. The
-containers themselves are `sluice.infra.docker_servers`.
+containers themselves are `sluice.infra.docker_servers`. Every server asks for the
+run's token: a container reads the flow's 0600 file through the workdir's mount, a Ray
+actor is handed the token and writes its own node's file.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from sluice.tasks.process.inference_server import server_spec
 from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_servers import RayServers
 from sluice.tasks.run.control import RunControl
-from sluice.tasks.run.paths import run_paths, run_registry, write_launched_servers
+from sluice.tasks.run.credential import run_token, token_path, write_signed_servers
+from sluice.tasks.run.paths import run_paths, run_registry
 from sluice.tasks.run.versions import fetch_policy, serving_start
 
 log = logging.getLogger(__name__)
@@ -50,13 +53,24 @@ def server_mounts(config: RunConfig) -> tuple[str, ...]:
 
 
 def server_specs(
-    config: RunConfig, ports: list[int], model_dir: Path, weight_version: int
+    config: RunConfig,
+    ports: list[int],
+    model_dir: Path,
+    weight_version: int,
+    api_key_file: Path | None = None,
 ) -> list[ServerSpec]:
+    """`api_key_file`: the run's token file, under the workdir every container mounts."""
     per = config.servers.gpus_per_server
     mounts = server_mounts(config)
     return [
         server_spec(
-            config, port, model_dir, weight_version, tuple(range(i * per, (i + 1) * per)), mounts
+            config,
+            port,
+            model_dir,
+            weight_version,
+            tuple(range(i * per, (i + 1) * per)),
+            mounts,
+            api_key_file=api_key_file,
         )
         for i, port in enumerate(ports)
     ]
@@ -70,12 +84,12 @@ def planned_servers(config: RunConfig, run_id: str) -> Iterator[list[int]]:
     if config.servers.launch == "ray":
         # The actors' URLs are known once they run; until then the rollout role waits
         # (and never reads a resumed run's old servers).
-        write_launched_servers(config, run_id, [])
+        write_signed_servers(config, run_id, [])
     if config.servers.launch != "docker":
         yield []
         return
     ports = [free_port() for _ in range(config.servers.count)]
-    write_launched_servers(config, run_id, [f"http://127.0.0.1:{port}" for port in ports])
+    write_signed_servers(config, run_id, [f"http://127.0.0.1:{port}" for port in ports])
     try:
         yield ports
     finally:
@@ -95,8 +109,9 @@ def run_servers(
         raise RuntimeError(f"run {run_id} has no committed policy version to serve")
     local = Path(config.workdir) / "runs" / run_id
     model_dir = fetch_policy(config, start, local / "server-weights", keep_latest=1)
+    run_token(config, run_id)  # the flow minted it; the containers read its file
     servers = ServerContainers(
-        server_specs(config, ports, model_dir, start.policy_version),
+        server_specs(config, ports, model_dir, start.policy_version, token_path(config, run_id)),
         run_id,
         log_dir=local / "logs",
         max_restarts=config.servers.max_restarts,
@@ -134,7 +149,7 @@ def run_ray_servers(
     def newest() -> Any:
         return serving_start(config, registry) or start
 
-    servers = RayServers(config, run_id)
+    servers = RayServers(config, run_id, run_token(config, run_id))
     control = control or RunControl(config, run_paths(config, run_id))
     try:
         waited = servers.start(start)

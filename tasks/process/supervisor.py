@@ -32,8 +32,10 @@ from prefect.cache_policies import NO_CACHE
 
 from sluice.infra.config import RunConfig
 from sluice.infra.outages import EXIT_OUTAGE, probe_storage, probe_tracking
+from sluice.infra.secrets import redact_text, redact_uri, write_private_json
 from sluice.tasks.process.launcher import PYTHON, close_launcher, start_role
-from sluice.tasks.process.ray_ranks import RAY_ADDRESS_ENV, TRAIN_GROUP_ENV
+from sluice.tasks.process.ray_ranks import RAY_ADDRESS_ENV, TRAIN_GROUP_ENV, node_address
+from sluice.tasks.process.ray_servers import NODE_ADDRESS_ENV
 from sluice.tasks.role import (
     CANNOT_START_MARK,
     DAMAGED_MARK,
@@ -43,6 +45,7 @@ from sluice.tasks.role import (
     OUTAGE_MARK,
     WATCHDOG_MARK,
 )
+from sluice.tasks.run.credential import write_run_token
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -211,10 +214,10 @@ def unanswered_services(config: RunConfig, probe_timeout_s: float = 10.0) -> dic
     down = {}
     why = probe_storage(config.storage.url, config.storage.options, probe_timeout_s)
     if why is not None:
-        down[f"the object store {config.storage.url}"] = why
+        down[f"the object store {redact_uri(config.storage.url)}"] = redact_text(why)
     why = probe_tracking(config.tracking.uri, probe_timeout_s)
     if why is not None:
-        down[f"the tracking server {config.tracking.uri}"] = why
+        down[f"the tracking server {redact_uri(config.tracking.uri)}"] = redact_text(why)
     return down
 
 
@@ -326,6 +329,7 @@ def run_role_on_node(
     run_id: str,
     mlflow_run_id: str,
     train_group: str | None = None,
+    run_token: str | None = None,
 ) -> int:
     """One long-lived role as a Prefect task on a Ray node (`cluster.engine: ray`).
 
@@ -336,7 +340,9 @@ def run_role_on_node(
     and a worker that dies (its node lost) takes the launcher's roles with it. A split
     trainer's role is told the cluster and the placement group reserved for its ranks
     (`train_group`; tasks/process/ray_ranks.py), a rollout role the cluster (its
-    inference servers are actors, tasks/process/ray_servers.py).
+    inference servers are actors, tasks/process/ray_servers.py). `run_token`, the flow's
+    credential, is written to this node's 0600 file for the role to read; the role's
+    listeners bind the address the node registered with Ray.
     """
     logger = get_run_logger()
     config = RunConfig.model_validate(config_json)
@@ -346,18 +352,22 @@ def run_role_on_node(
         os.environ[RAY_ADDRESS_ENV] = ray.get_runtime_context().gcs_address
     if train_group:
         os.environ[TRAIN_GROUP_ENV] = train_group
+    if config.servers.launch == "ray":
+        os.environ[NODE_ADDRESS_ENV] = node_address()
+    if run_token is not None:
+        write_run_token(config, run_id, run_token)
     local = Path(config.workdir) / "runs" / run_id
     config_path = local / "config.json"
     local.mkdir(parents=True, exist_ok=True)
-    # Roles sharing a node (or a shared file system) write the same file: whole or not at all.
-    partial = config_path.with_name(f".config.{role}.{os.getpid()}.json")
-    partial.write_text(json.dumps(config_json, indent=2))
-    os.replace(partial, config_path)
+    # Roles sharing a node (or a shared file system) write the same file: whole or not at
+    # all, and 0600: it holds the run's credentials.
+    write_private_json(config_path, config_json)
     log_dir = str(local / "logs")
     logger.info("starting %s on %s (log: %s/%s.log)", role, socket.gethostname(), log_dir, role)
     try:
         return supervise_role(role, str(config_path), run_id, mlflow_run_id, log_dir, log=logger)
     finally:
         close_launcher()
-        for name in (RAY_ADDRESS_ENV, TRAIN_GROUP_ENV):  # a reused worker starts clean
+        # A reused worker starts clean.
+        for name in (RAY_ADDRESS_ENV, TRAIN_GROUP_ENV, NODE_ADDRESS_ENV):
             os.environ.pop(name, None)

@@ -94,6 +94,7 @@ def run_registry(config: RunConfig, run_id: str) -> CheckpointRegistry:
         registered_model_name(config, run_id),
         alias=config.tracking.alias,
         storage_options=config.storage.options,
+        source_root=run_paths(config, run_id).checkpoints,
     )
 
 

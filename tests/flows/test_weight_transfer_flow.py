@@ -1,12 +1,21 @@
 """`sluice train` with each weight path (`servers.weight_transfer`): real role processes,
 the embedded server in its own process, the registry gating every version. Each run must
 deliver every version over its path (no fall-back to disk), serve each one's bytes, and
-leave a clean audit: every token version a trained sample carries is a durable version."""
+leave a clean audit: every token version a trained sample carries is a durable version.
+Every route it used asked for the run's credential, which was left in nothing the run
+wrote but its own 0600 file: no log line, no MLflow param, no Prefect flow-run
+parameter, no file on storage."""
+
+import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
 from sluice.infra.config import load_config
+from sluice.infra.tracking import get_client
 from sluice.tasks.run.audit import audit_run
+from sluice.tasks.run.credential import token_path
 from sluice.tasks.run.paths import run_paths
 from sluice.tasks.run.status import read_statuses
 from tests.flows.conftest import tiny_run_overrides
@@ -48,3 +57,33 @@ def test_train_delivers_every_version_over_its_weight_path_and_audits_clean(
     assert audit.problems() == [], audit.problems()
     assert audit.versions[-1] == 4
     assert audit.max_staleness <= config.staleness.max_staleness
+
+    mlflow_run_id = state.result()["mlflow_run_id"]
+    assert_token_kept(config, run_id, tmp_path, mlflow_run_id, state.state_details.flow_run_id)
+
+
+def assert_token_kept(config, run_id: str, root: Path, mlflow_run_id: str, flow_run_id) -> None:
+    """The run's token is in its 0600 file and nowhere else the run wrote or reported."""
+    path = token_path(config, run_id)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    token = path.read_text().strip().encode()
+    assert len(token) >= 40
+    # Logs, streams, checkpoints, control documents, the MLflow store and its artifacts.
+    leaks = [
+        str(f) for f in root.rglob("*") if f.is_file() and f != path and token in f.read_bytes()
+    ]
+    assert leaks == []
+    params = get_client(config.tracking.uri).get_run(mlflow_run_id).data.params
+    assert params  # the resolved config was logged: there was something to leak into
+    assert token.decode() not in json.dumps(params)
+    assert token.decode() not in json.dumps(_flow_run_parameters(flow_run_id), default=str)
+
+
+def _flow_run_parameters(flow_run_id) -> dict:
+    from prefect.client.orchestration import get_client
+
+    async def read() -> dict:
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run_id)).parameters
+
+    return asyncio.run(read())

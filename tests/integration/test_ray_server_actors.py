@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,11 +49,25 @@ def committed(config: RunConfig, model_dir: Path, policy_version: int) -> Commit
     )
 
 
+TOKEN = "the-run-token-" + os.urandom(8).hex()
+
+
 def model_info(url: str) -> dict:
     import json
 
-    with urllib.request.urlopen(f"{url}/get_model_info", timeout=10) as response:
+    request = urllib.request.Request(
+        f"{url}/get_model_info", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
+
+
+def refused_without_token(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}/get_model_info", timeout=10)
+    except urllib.error.HTTPError as error:
+        return error.code == 401
+    return False
 
 
 def test_server_actors_start_publish_prefetch_and_come_back_after_a_death(
@@ -76,13 +91,19 @@ def test_server_actors_start_publish_prefetch_and_come_back_after_a_death(
     )
     v0 = committed(config, random_model_dir(seed=0), 0)
     v1 = committed(config, random_model_dir(seed=1), 1)
-    servers = RayServers(config, "run")
+    servers = RayServers(config, "run", TOKEN)
     try:
         servers.start(v0)
         urls = launched_server_urls(config, "run")
         assert urls == servers.urls and len(set(urls)) == 2
         assert all(healthy(url) for url in urls)
         assert {model_info(url)["weight_version"] for url in urls} == {"0"}
+        # Each actor wrote the token it was handed to a 0600 file of its node; the
+        # servers ask for it, and listen on the node's address, not on every interface.
+        assert all(refused_without_token(url) for url in urls)
+        assert not any(url.startswith("http://0.0.0.0") for url in urls)
+        token_file = Path(config.workdir) / "runs" / "run" / "run.token"
+        assert token_file.read_text() == TOKEN and token_file.stat().st_mode & 0o777 == 0o600
         assert servers.dead() == []
 
         # The rollout's side: each server's node holds v1 after a prefetch, at a path

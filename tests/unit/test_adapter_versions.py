@@ -41,13 +41,15 @@ def published(tmp_path: Path) -> tuple[RunConfig, str, str, torch.nn.Module]:
         "default",
         [f"workdir={tmp_path}/work", f"storage.url=file://{tmp_path}/store", "trainer.lora.rank=4"],
     )
-    base_uri = save_checkpoint(SHIPPED, f"{tmp_path}/store/v0")
+    # Where run `lora-run` keeps its versions: a run's registry reads no other source.
+    checkpoints = f"{tmp_path}/store/lora-run/checkpoints"
+    base_uri = save_checkpoint(SHIPPED, f"{checkpoints}/v000000")
     lora = trainer()
     lora.train_step(samples(0))
     adapter = lora.save(tmp_path / "v1", state_dir=tmp_path / "state")
     digest = read_manifest(base_uri).digest
     write_base_reference(adapter, {"base_version": 0, "base_uri": base_uri, "base_digest": digest})
-    return config, base_uri, save_checkpoint(adapter, f"{tmp_path}/store/v1"), lora.model
+    return config, base_uri, save_checkpoint(adapter, f"{checkpoints}/v000001"), lora.model
 
 
 def test_a_reader_gets_base_and_adapter_merged_once(published, tmp_path: Path) -> None:

@@ -53,10 +53,11 @@ def committed(run_config: RunConfig, workdir: Path) -> Path:
     registry = CheckpointRegistry(
         run_config.tracking.uri, registered_model_name(run_config, "trained")
     )
-    store = run_config.storage.url
+    checkpoints = f"{run_config.storage.url}/trained/checkpoints"  # the run's own prefix
     for policy_version in (0, 1):
         (weights / "model.safetensors").write_bytes(bytes([policy_version]) * 16)
-        registry.commit(policy_version, save_checkpoint(weights, f"{store}/v{policy_version}"))
+        url = f"{checkpoints}/v{policy_version:06d}"
+        registry.commit(policy_version, save_checkpoint(weights, url))
     return workdir
 
 

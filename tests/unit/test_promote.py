@@ -16,6 +16,7 @@ import pytest
 
 from sluice.flows.cli import main
 from sluice.flows.promote import promote, promote_final
+from sluice.infra.checkpoints import save_checkpoint
 from sluice.infra.config import ConfigError
 from sluice.infra.model_line import (
     TAG_SOURCE_MODEL_VERSION,
@@ -25,8 +26,8 @@ from sluice.infra.model_line import (
 )
 from sluice.infra.policy_version import TAG_CHECKPOINT_DIGEST
 from sluice.infra.tracking import get_client
-from sluice.tasks.run.paths import registered_model_name, run_registry
-from tests.unit.test_registry import checkpoint_files, committed_checkpoint
+from sluice.tasks.run.paths import registered_model_name, run_paths, run_registry
+from tests.unit.test_registry import checkpoint_files, make_hf_dir
 
 
 @pytest.fixture
@@ -39,8 +40,11 @@ def run(config, tmp_path):
     """A run with policy versions 0, 1 and 2 committed."""
     run_id = f"run-{uuid.uuid4().hex[:8]}"
     registry = run_registry(config, run_id)
+    checkpoints = run_paths(config, run_id)  # a run's registry reads no other source
     for version in range(3):
-        registry.commit(version, committed_checkpoint(tmp_path, version), run_id=None)
+        source = make_hf_dir(tmp_path / f"src-{run_id}-{version}", version)
+        uri = save_checkpoint(source, checkpoints.checkpoint(version))
+        registry.commit(version, uri, run_id=None)
     return run_id
 
 

@@ -17,7 +17,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 from sluice.infra.checkpoints import save_checkpoint  # noqa: E402
 from sluice.infra.config import RunConfig  # noqa: E402
 from sluice.infra.tracking import get_client, log_metrics, start_or_resume_run  # noqa: E402
-from sluice.tasks.run.paths import run_registry  # noqa: E402
+from sluice.tasks.run.paths import run_paths, run_registry  # noqa: E402
 from sluice.tasks.run.report import (  # noqa: E402
     REWARD_CURVE_ARTIFACT,
     log_reward_curves,
@@ -51,7 +51,8 @@ def commit_version(config: RunConfig, run_id: str, version: int, tmp_path: Path)
     source = tmp_path / f"v{version}"
     source.mkdir()
     (source / "config.json").write_text('{"model_type": "llama"}')
-    uri = save_checkpoint(source, str(source))
+    # Under the run's own prefix: a run's registry reads no other source.
+    uri = save_checkpoint(source, run_paths(config, run_id).checkpoint(version))
     return run_registry(config, run_id).commit(version, uri).created_at_ms
 
 

@@ -147,17 +147,20 @@ def test_a_scored_run_releases_every_checkpoint_and_marks_it_deleted(
 ) -> None:
     from sluice.infra.checkpoints import save_checkpoint
     from sluice.infra.config import load_config
-    from sluice.tasks.run.paths import run_registry
+    from sluice.tasks.run.paths import run_paths, run_registry
     from tests.unit.test_registry import make_hf_dir
 
-    config = with_settings(load_config(None), {"tracking.uri": tracking_uri})
+    settings = {"tracking.uri": tracking_uri, "storage.url": f"file://{tmp_path}/store"}
+    config = with_settings(load_config(None), settings)
     registry = run_registry(config, "ttt-release")
-    urls = [f"file://{tmp_path}/store/v{v}" for v in range(3)]
+    # Under the run's own prefix: a run's registry reads no other source.
+    paths = run_paths(config, "ttt-release")
+    urls = [paths.checkpoint(v) for v in range(3)]
     for version, url in enumerate(urls):
         save_checkpoint(make_hf_dir(tmp_path / f"local{version}", version), url)
         registry.commit(version, url)
     scored = ScoredRun(config, "ttt-release", started_at=0.0)
     assert [v for v, _ in scored.version_times()] == [0, 1, 2]
     assert scored.release() == 3
-    assert not any((tmp_path / "store" / f"v{v}").exists() for v in range(3))
+    assert not any(Path(url.removeprefix("file://")).exists() for url in urls)
     assert all(v.deleted for v in registry.versions())

@@ -195,7 +195,11 @@ def test_unique_named_tensors_casts_floating_tensors_only_and_detaches() -> None
 # ------------------------------------------------------------------ shared memory
 
 
-def test_serialized_handles_give_back_the_named_tensors_in_the_senders_memory() -> None:
+def _no_check(specs: object, declared_bytes: int) -> None:
+    """A receiver that takes any spec (the served-model check is weight_specs')."""
+
+
+def test_serialized_handles_give_back_copies_of_the_named_tensors() -> None:
     sent = [
         ("w", shared(torch.arange(6.0).reshape(2, 3))),
         ("ids", shared(torch.tensor([4, 5], dtype=torch.int64))),
@@ -203,13 +207,13 @@ def test_serialized_handles_give_back_the_named_tensors_in_the_senders_memory() 
     ]
     data = serialize_named_tensors(sent)
     assert len(data) < 2000  # handles, not the bytes
-    received = deserialize_named_tensors(data)
+    received = deserialize_named_tensors(data, _no_check)
     assert [n for n, _ in received] == ["w", "ids", "h"]
     for (_, s), (_, r) in zip(sent, received, strict=True):
         assert r.dtype == s.dtype and torch.equal(r, s)
-    # One memory: a write by the sender is seen through the handle.
+    # The receiver's own memory: what the sender does later cannot reach it.
     sent[0][1][0, 0] = 42.0
-    assert received[0][1][0, 0].item() == 42.0
+    assert received[0][1][0, 0].item() == 0.0
 
 
 def test_tensors_not_in_shared_memory_cannot_be_serialized() -> None:
@@ -234,37 +238,35 @@ def test_the_hand_made_pickle_runs_its_call_under_a_plain_unpickler(tmp_path: Pa
     ("module", "name", "argument"),
     [
         ("os", "system", "touch {marker}"),
-        ("posix", "system", "touch {marker}"),
         ("builtins", "eval", "__import__('pathlib').Path({marker!r}).touch()"),
-        ("builtins", "exec", "__import__('pathlib').Path({marker!r}).touch()"),
-        ("subprocess", "getoutput", "touch {marker}"),
-        # Modules the handles use, names they do not.
-        ("torch", "load", "{marker}"),
-        ("torch.multiprocessing.reductions", "rebuild_event", "{marker}"),
-        ("torch.serialization", "load", "{marker}"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename", "{marker}"),
     ],
 )
-def test_a_pickle_naming_any_other_callable_is_refused_before_it_runs(
+def test_a_pickle_is_never_unpickled_whatever_it_names(
     tmp_path: Path, module: str, name: str, argument: str
 ) -> None:
     marker = str(tmp_path / "ran")
     data = _call_pickle(module, name, argument.format(marker=marker))
-    with pytest.raises(WeightTransferError, match=f"{module}.{name} is not a tensor handle's part"):
-        deserialize_named_tensors(data)
+    with pytest.raises(WeightTransferError, match="not a sluice.tensor_handles/1 JSON document"):
+        deserialize_named_tensors(data, _no_check)
     assert not Path(marker).exists()
 
 
-@pytest.mark.parametrize(
-    "payload", [{"w": 1}, [("w", 1.0)], [("w",)], [(3, 4)]], ids=["dict", "float", "one", "ints"]
-)
-def test_a_pickle_that_is_not_named_tensors_is_refused(payload: object) -> None:
-    with pytest.raises(WeightTransferError, match="not a list of \\(name, tensor\\) pairs"):
-        deserialize_named_tensors(pickle.dumps(payload))
+def test_torchs_own_pickled_handles_are_refused_in_one_line() -> None:
+    # What senders sent before: torch's reductions, pickled (protocol 2+).
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401
+
+    data = bytes(ForkingPickler.dumps([("w", shared(torch.ones(3)))]))
+    with pytest.raises(WeightTransferError, match="pickle form are refused") as caught:
+        deserialize_named_tensors(data, _no_check)
+    assert "\n" not in str(caught.value)
 
 
-def test_bytes_that_are_not_a_pickle_are_refused() -> None:
-    with pytest.raises(WeightTransferError, match="cannot map the tensors sent"):
-        deserialize_named_tensors(b"not a pickle")
+def test_bytes_that_are_not_a_handle_document_are_refused() -> None:
+    with pytest.raises(WeightTransferError, match="cannot read the tensors sent"):
+        deserialize_named_tensors(b"not a document", _no_check)
 
 
 # ------------------------------------------------------------------ weight groups
