@@ -42,7 +42,7 @@ from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.process.servers import planned_servers, serve_inference
 from sluice.tasks.run.control import RunControl
-from sluice.tasks.run.credential import mint_run_token
+from sluice.tasks.run.credential import mint_run_token, run_token
 from sluice.tasks.run.paths import ROLES, run_paths, run_registry, write_start
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
@@ -157,7 +157,9 @@ def train(
             elif ray_servers is not None:
                 # Actors started from this process (a driver of the cluster), with the
                 # config the nodes read.
-                futures["servers"] = serve_inference.submit(ray_servers.shipped, run_id, [])
+                futures["servers"] = serve_inference.submit(
+                    ray_servers.shipped, run_id, [], run_token(config, run_id)
+                )
             watch_progress(config, run_id, futures, started=started, placed=placed)
             role_results(futures)  # raises if a role failed after its retries
     summary = publish_summary(config.model_dump(mode="json"), run_id, mlflow_run_id)

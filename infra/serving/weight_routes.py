@@ -112,18 +112,19 @@ class _OneAtATime:
                 self._busy.release()
 
         def guarded() -> None:
-            # The route may have given up (the future is cancelled then): nobody reads
-            # the outcome, which is dropped.
+            # The slot is freed before the outcome is handed over: the route answers only
+            # after it, so the caller's next call never finds it still taken. The route
+            # may have given up (the future is cancelled then): the outcome is dropped.
             try:
                 result = work()
             except BaseException as exc:  # handed to the awaiting route
+                end()
                 with contextlib.suppress(InvalidStateError):
                     future.set_exception(exc)
             else:
+                end()
                 with contextlib.suppress(InvalidStateError):
                     future.set_result(result)
-            finally:
-                end()
 
         thread = threading.Thread(target=guarded, name=self._name, daemon=True)
         thread.start()

@@ -28,7 +28,12 @@ from sluice.tasks.process.inference_server import server_spec
 from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_servers import RayServers
 from sluice.tasks.run.control import RunControl
-from sluice.tasks.run.credential import run_token, token_path, write_signed_servers
+from sluice.tasks.run.credential import (
+    run_token,
+    token_path,
+    write_run_token,
+    write_signed_servers,
+)
 from sluice.tasks.run.paths import run_paths, run_registry
 from sluice.tasks.run.versions import fetch_policy, serving_start
 
@@ -169,10 +174,15 @@ def run_ray_servers(
 
 
 @task(name="serve-inference", cache_policy=NO_CACHE, persist_result=False)
-def serve_inference(config_json: dict[str, Any], run_id: str, ports: list[int]) -> dict[str, Any]:
+def serve_inference(
+    config_json: dict[str, Any], run_id: str, ports: list[int], token: str | None = None
+) -> dict[str, Any]:
     """The run's launched inference servers (containers or Ray actors), for as long as
-    the run lasts."""
+    the run lasts. `token`: the flow's credential, for actors started with a config whose
+    workdir is the nodes' (its file there may not exist yet, or hold another's)."""
     config = RunConfig.model_validate(config_json)
     if config.servers.launch == "ray":
+        if token is not None:
+            write_run_token(config, run_id, token)
         return run_ray_servers(config, run_id)
     return run_servers(config, run_id, ports)
