@@ -33,7 +33,7 @@ from sluice.engines.rl.groups import (
 )
 from sluice.engines.rl.lineage import LostAfter
 from sluice.engines.rl.staleness import StalenessGate
-from sluice.engines.rl.trajectory import POLICY_INCARNATION, TrajectoryRow
+from sluice.engines.trajectory import POLICY_INCARNATION, TrajectoryRow
 from sluice.infra.checkpoints import CheckpointIncomplete
 from sluice.infra.config import RunConfig
 from sluice.infra.registry import CommittedVersion

@@ -15,7 +15,7 @@ import numpy as np
 
 from sluice.engines.rl.groups import group_index_of, group_key
 from sluice.engines.rl.lineage import LostAfter, attempt_key, lost_rows
-from sluice.engines.rl.trajectory import GROUP_ID
+from sluice.engines.trajectory import GROUP_ID
 from sluice.infra.streams.reader import StreamReader
 
 

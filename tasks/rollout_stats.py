@@ -13,7 +13,7 @@ from typing import Any
 
 from sluice.engines.inference.profile import StepProfile
 from sluice.engines.rl.samples import version_span
-from sluice.engines.rl.trajectory import (
+from sluice.engines.trajectory import (
     LOSS_MASK,
     RESPONSE_TOKEN_IDS,
     TOKEN_VERSIONS,

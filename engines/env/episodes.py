@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sluice.engines.rl.trajectory import SampledResponse, version_bounds
+from sluice.engines.trajectory import SampledResponse, version_bounds
 
 ToolOutcome = Literal["ok", "error", "timeout"]
 

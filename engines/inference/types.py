@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from math import inf
 from typing import Literal
 
-from sluice.engines.rl.trajectory import version_bounds
+from sluice.engines.trajectory import version_bounds
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why a response ended: a stop/EOS token, a token budget, or an abort."""

@@ -3,7 +3,7 @@
 ``MegatronPolicyOptimizer.step`` runs one optimizer step over a minibatch's packed
 micro-batches through ``get_forward_backward_func`` (the schedule that also drives
 pipeline parallelism), with any Sluice loss that follows the
-``sluice.engines.rl.loss.PolicyLoss`` contract.
+``sluice.engines.rl.loss_inputs.PolicyLoss`` contract.
 
 How the loss denominator maps: Sluice divides every micro-batch's token sum by the
 minibatch's valid-token count, so gradient accumulation equals the whole-minibatch

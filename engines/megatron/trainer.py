@@ -36,7 +36,7 @@ from sluice.engines.megatron import convert
 from sluice.engines.megatron.model import initialize_parallel, load_hf_policy, packed_logits
 from sluice.engines.megatron.optimizer import MegatronPolicyOptimizer
 from sluice.engines.rl.batching import PackedBatch
-from sluice.engines.rl.loss import PolicyLoss
+from sluice.engines.rl.loss_inputs import PolicyLoss
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
 from sluice.engines.rl.train_batch import TrainerSettings
 from sluice.engines.rl.trainer import (

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from sluice.engines.rl.groups import group_index_of
-from sluice.engines.rl.trajectory import GROUP_ID, POLICY_INCARNATION, VERSION_END
+from sluice.engines.trajectory import GROUP_ID, POLICY_INCARNATION, VERSION_END
 
 LostAfter = Mapping[int, int]
 """{incarnation r: the step k0 after which every version of r was lost}."""

@@ -38,7 +38,7 @@ class LogprobPasses:
     ) -> list[Any]:
         raise NotImplementedError
 
-    def _packed_logprobs(
+    def packed_logprobs(
         self,
         batch: TrainBatch,
         indices: Sequence[int],
@@ -115,12 +115,6 @@ class LogprobPasses:
     def _gather(batch: TrainBatch, flat: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         return torch.cat([batch.tokens_of(i, flat) for i in indices])
 
-    @staticmethod
-    def _token_index(batch: TrainBatch, indices: Sequence[int]) -> torch.Tensor:
-        """Positions in the flat per-token tensors of the samples in `indices`, in order."""
-        offsets = batch.response_offsets
-        return torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in indices])
-
     @torch.no_grad()
     def compute_logprobs(
         self,
@@ -138,7 +132,7 @@ class LogprobPasses:
 
         def read(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             entropy: list[torch.Tensor] | None = [] if entropy_out is not None else None
-            values = self._packed_logprobs(batch, plan[index], packed[index], entropy, logits)
+            values = self.packed_logprobs(batch, plan[index], packed[index], entropy, logits)
             return values.cpu(), entropy[0].cpu() if entropy else None
 
         result = (

@@ -31,22 +31,23 @@ Departures from the paper, on purpose:
 
 Configs pick functions, never branches: :func:`make_policy_loss` binds the
 ``trainer.loss`` section to a loss from :data:`POLICY_LOSSES`: decoupled PPO here, GSPO
-and CISPO in :mod:`sluice.engines.rl.objectives` (which also holds the input checks and
-metrics all three share). Two protocols type them,
-so the type checker holds every loss to the signature the trainer calls:
-:class:`ConfigurablePolicyLoss` (a registered loss, the config's knobs as keywords) and
-:class:`PolicyLoss` (one bound to its config, as the trainer holds it).
+and CISPO in :mod:`sluice.engines.rl.objectives` (which also holds the per-token terms
+and metrics all three share). Every loss takes its tensors as one named, frozen
+:class:`~sluice.engines.rl.loss_inputs.LossInputs` (shapes checked when it is made) and
+its config as keywords; bound to its config it is a
+:class:`~sluice.engines.rl.loss_inputs.PolicyLoss`, ``fn(inputs) -> (loss, metrics)``,
+as the trainer holds it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from sluice.engines.rl.aggregation import aggregate_token_losses
+from sluice.engines.rl.loss_inputs import LossInputs, PolicyLoss
 from sluice.engines.rl.objectives import (
     WITHOUT_DUAL_CLIP,
     cispo_loss,
@@ -60,87 +61,24 @@ from sluice.engines.rl.objectives import (
 Tensor = torch.Tensor
 
 
-class PolicyLoss(Protocol):
-    """A policy loss bound to its config, as the trainer calls it once per micro-batch.
-
-    The per-token inputs share one layout (see the module); ``num_global_tokens`` is the
-    minibatch's valid-token count, the denominator of every micro-batch's loss;
-    ``behaviour_weights`` replaces exp(proximal - behaviour) when rollout correction
-    computed them. ``token_scale`` is the per-token aggregation factor of a
-    sequence-level mode (None: token mean over ``num_global_tokens``); ``sequence_ids``
-    the sequence index of each token within the micro-batch (needed by GSPO, ignored by
-    the others). Returns the scalar loss and detached scalar metrics named ``loss/*``
-    (tensors: reading them would sync the device; :func:`merge_micro_batch_metrics`
-    turns them into floats once per minibatch).
-    """
-
-    def __call__(
-        self,
-        logprobs: Tensor,
-        proximal_logprobs: Tensor | None,
-        behaviour_logprobs: Tensor,
-        advantages: Tensor,
-        loss_mask: Tensor,
-        num_global_tokens: int | float | Tensor,
-        *,
-        behaviour_weights: Tensor | None = None,
-        token_scale: Tensor | None = None,
-        sequence_ids: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
-
-
-class ConfigurablePolicyLoss(Protocol):
-    """A loss in :data:`POLICY_LOSSES`: :class:`PolicyLoss`'s arguments, plus the fields of
-    the ``trainer.loss`` config as keywords (what :func:`make_policy_loss` binds)."""
-
-    def __call__(
-        self,
-        logprobs: Tensor,
-        proximal_logprobs: Tensor | None,
-        behaviour_logprobs: Tensor,
-        advantages: Tensor,
-        loss_mask: Tensor,
-        num_global_tokens: int | float | Tensor,
-        *,
-        eps_clip_low: float = ...,
-        eps_clip_high: float = ...,
-        dual_clip_c: float | None = ...,
-        decoupled: bool = ...,
-        behaviour_weights: Tensor | None = None,
-        token_scale: Tensor | None = None,
-        sequence_ids: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
-
-
 def decoupled_ppo_loss(
-    logprobs: Tensor,
-    proximal_logprobs: Tensor | None,
-    behaviour_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    num_global_tokens: int | float | Tensor,
+    inputs: LossInputs,
     *,
     eps_clip_low: float = 0.2,
     eps_clip_high: float = 0.2,
     dual_clip_c: float | None = None,
     decoupled: bool = True,
-    behaviour_weights: Tensor | None = None,
-    token_scale: Tensor | None = None,
-    sequence_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO loss (AReaL eq. 3) of one micro-batch, normalised by the global token count.
 
     Args:
-        logprobs: log π_θ of each token under the weights being optimised (carries grad).
-        proximal_logprobs: log π_prox of each token, recomputed by the trainer before this
-            update (no grad). May be None only when ``decoupled=False``.
-        behaviour_logprobs: log π_behav recorded by the inference engine when sampling.
-        advantages: advantage of each token (the sample's advantage broadcast over its
-            response tokens).
-        loss_mask: 1/True for response tokens that enter the loss, 0/False for prompt
-            tokens, padding and tokens rejected by rollout correction.
-        num_global_tokens: valid tokens in the whole global batch (all micro-batches),
-            counted from the mask *before* rollout correction. Must be positive.
+        inputs: the micro-batch's tensors by name (:class:`LossInputs`, shapes already
+            checked): log π_θ (with grad), log π_prox (None only when
+            ``decoupled=False``), log π_behav, advantages, the loss mask, the global token
+            count, and optionally the corrected behaviour weights (only with
+            ``decoupled=True``; used instead of exp(proximal - behaviour)) and the
+            aggregation scale (``Σ_t mask_t w_t l_t token_scale_t`` instead of
+            ``Σ_t mask_t w_t l_t / num_global_tokens``). ``sequence_ids`` is ignored here.
         eps_clip_low: the ratio is clipped below at ``1 - eps_clip_low`` (in [0, 1]).
         eps_clip_high: the ratio is clipped above at ``1 + eps_clip_high`` (>= 0;
             clip-higher when larger than ``eps_clip_low``).
@@ -152,14 +90,6 @@ def decoupled_ppo_loss(
         decoupled: True uses π_prox as the trust-region anchor with behaviour weight
             π_prox/π_behav; False is standard PPO with π_old = π_behav (u = π_θ/π_behav,
             w = 1), for which no proximal forward pass is needed.
-        behaviour_weights: precomputed w per token (from rollout correction), used instead
-            of exp(proximal - behaviour). Treated as constants. Only with ``decoupled=True``.
-        token_scale: per-token aggregation factor
-            (:func:`sluice.engines.rl.aggregation.aggregation_scale`); the loss becomes
-            ``Σ_t mask_t w_t l_t token_scale_t`` instead of ``Σ_t mask_t w_t l_t /
-            num_global_tokens``. None keeps the token mean. Treated as a constant.
-        sequence_ids: sequence index of each token; ignored here (the signature is shared
-            with GSPO, which needs it).
 
     Returns:
         ``(loss, metrics)``: a scalar loss to call ``backward()`` on, and detached scalar
@@ -167,21 +97,10 @@ def decoupled_ppo_loss(
         valid tokens; combine micro-batches with :func:`merge_micro_batch_metrics`.
 
     Raises:
-        ValueError: on mismatched shapes, a non-positive ``num_global_tokens``, or an
-            inconsistent combination of options (not on out-of-range bounds: see above).
+        ValueError: on an inconsistent combination of inputs and options (not on
+            out-of-range bounds: see above; shapes were checked by ``LossInputs``).
     """
-    terms = policy_terms(
-        logprobs,
-        proximal_logprobs,
-        behaviour_logprobs,
-        advantages,
-        loss_mask,
-        num_global_tokens,
-        decoupled=decoupled,
-        behaviour_weights=behaviour_weights,
-        token_scale=token_scale,
-        sequence_ids=sequence_ids,
-    )
+    terms = policy_terms(inputs, decoupled=decoupled)
     dtype, mask, valid, num_valid = terms.dtype, terms.mask, terms.valid, terms.num_valid
     log_ratio, weights, advantages = terms.log_ratio, terms.weights, terms.advantages
     ratio = torch.exp(log_ratio)
@@ -199,7 +118,7 @@ def decoupled_ppo_loss(
         dual_active = torch.zeros_like(valid)
 
     weighted = torch.where(valid, mask * weights * token_loss, 0.0)
-    loss = aggregate_token_losses(weighted, num_global_tokens, token_scale)
+    loss = aggregate_token_losses(weighted, inputs.num_global_tokens, inputs.token_scale)
 
     with torch.no_grad():
         low = (ratio < 1.0 - eps_clip_low) & (advantages < 0)
@@ -216,12 +135,18 @@ def decoupled_ppo_loss(
     return loss, metrics
 
 
-POLICY_LOSSES: dict[str, ConfigurablePolicyLoss] = {
+LossResult = tuple[Tensor, dict[str, Tensor]]
+"""``(loss, metrics)``: what every policy loss returns (see :class:`PolicyLoss`)."""
+
+POLICY_LOSSES: dict[str, Callable[..., LossResult]] = {
     "decoupled_ppo": decoupled_ppo_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
 }
-"""Policy losses by config name; every entry takes the arguments of :func:`decoupled_ppo_loss`."""
+"""Policy losses by config name. Every entry is ``fn(inputs: LossInputs, *, eps_clip_low,
+eps_clip_high, dual_clip_c, decoupled)``, as :func:`decoupled_ppo_loss`: bound to its
+config by :func:`make_policy_loss`, it is a :class:`PolicyLoss` (the registry's entries
+are checked against that form by tests/unit/test_objectives.py)."""
 
 
 def make_policy_loss(
@@ -235,10 +160,9 @@ def make_policy_loss(
     """Bind a loss config (fields of ``trainer.loss``) to a loss function.
 
     ``make_policy_loss(loss.objective, decoupled=loss.decoupled, eps_clip_low=...,
-    eps_clip_high=..., dual_clip_c=...)`` gives a callable ``fn(logprobs,
-    proximal_logprobs, behaviour_logprobs, advantages, loss_mask, num_global_tokens,
-    behaviour_weights=None, token_scale=None, sequence_ids=None)``; the trainer calls it
-    without knowing which algorithm it is. The bounds arrive validated by the config
+    eps_clip_high=..., dual_clip_c=...)`` gives a :class:`PolicyLoss`, ``fn(inputs)``
+    with ``inputs`` a :class:`LossInputs`; the trainer calls it without knowing which
+    algorithm it is. The bounds arrive validated by the config
     (``LossConfig``); combinations that make no sense for the chosen loss (dual clip with
     GSPO or CISPO) are refused here, once.
     """

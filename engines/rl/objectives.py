@@ -1,7 +1,8 @@
 """GSPO and CISPO, the policy objectives beside decoupled PPO, and what all three share.
 
-Every objective here takes :func:`sluice.engines.rl.loss.decoupled_ppo_loss`'s arguments
-and returns ``(loss, metrics)`` the same way, so ``trainer.loss.name`` swaps them without
+Every objective here takes one :class:`sluice.engines.rl.loss_inputs.LossInputs` and the
+``trainer.loss`` config as keywords, as :func:`sluice.engines.rl.loss.decoupled_ppo_loss`
+does, and returns ``(loss, metrics)`` the same way, so ``trainer.loss.name`` swaps them without
 the trainer knowing (they are registered in :data:`sluice.engines.rl.loss.POLICY_LOSSES`).
 The three policies are those of loss.py: π_behav sampled the tokens, π_prox is the
 trust-region anchor recomputed before the update, π_θ is optimised. With
@@ -16,10 +17,10 @@ trust-region anchor recomputed before the update, π_θ is optimised. With
   ``However``) whose ratio moves most.
 
 Shared here, and used by loss.py too (loss.py imports this module, never the reverse,
-so the registry can hold all three without an import cycle): the argument checks, the
-per-token log-ratio and behaviour weight (:func:`policy_terms`), and the ratio metrics.
+so the registry can hold all three without an import cycle): the per-token log-ratio and behaviour weight (:func:`policy_terms`), and the ratio metrics.
 How token losses become one scalar (``token_scale``) lives in
-:mod:`sluice.engines.rl.aggregation`.
+:mod:`sluice.engines.rl.aggregation`; the shape checks, in ``LossInputs`` (made once, so
+every objective gets them).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from sluice.engines.rl.aggregation import aggregate_token_losses
+from sluice.engines.rl.loss_inputs import LossInputs
 
 Tensor = torch.Tensor
 
@@ -51,28 +53,6 @@ class PolicyTerms(NamedTuple):
     """Detached advantages, 0 at masked tokens."""
 
 
-def check_same_shape(reference_name: str, reference: Tensor, **others: Tensor | None) -> None:
-    """Raise one ValueError naming the first input whose shape differs from ``reference``."""
-    for name, tensor in others.items():
-        if tensor is not None and tensor.shape != reference.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)} but {reference_name} has "
-                f"{tuple(reference.shape)}; every per-token input must share one layout"
-            )
-
-
-def check_num_global_tokens(num_global_tokens: int | float | Tensor) -> None:
-    """Raise one ValueError unless the loss denominator is a positive number (or a scalar)."""
-    if isinstance(num_global_tokens, Tensor):
-        if num_global_tokens.numel() != 1:
-            raise ValueError("num_global_tokens must be a scalar")
-    elif num_global_tokens <= 0:
-        raise ValueError(
-            f"num_global_tokens must be positive, got {num_global_tokens}; "
-            "a global batch without response tokens has no loss"
-        )
-
-
 def masked_mean(values: Tensor, valid: Tensor, num_valid: Tensor) -> Tensor:
     """Mean of ``values`` over valid tokens (0 when there are none)."""
     return torch.where(valid, values, 0.0).sum() / num_valid.clamp(min=1)
@@ -87,20 +67,8 @@ def masked_extreme(values: Tensor, valid: Tensor, largest: bool) -> Tensor:
     return torch.where(valid.any(), extreme, torch.zeros_like(extreme))
 
 
-def policy_terms(
-    logprobs: Tensor,
-    proximal_logprobs: Tensor | None,
-    behaviour_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    num_global_tokens: int | float | Tensor,
-    *,
-    decoupled: bool,
-    behaviour_weights: Tensor | None,
-    token_scale: Tensor | None = None,
-    sequence_ids: Tensor | None = None,
-) -> PolicyTerms:
-    """Check an objective's arguments and compute its per-token log-ratio and weights.
+def policy_terms(inputs: LossInputs, *, decoupled: bool) -> PolicyTerms:
+    """Check the inputs against ``decoupled`` and compute the per-token log-ratio and weights.
 
     The anchor is π_prox when ``decoupled`` (weight exp(prox − behav) or
     ``behaviour_weights``), π_behav otherwise (weight 1). Masked positions (prompts,
@@ -108,38 +76,27 @@ def policy_terms(
     finite and 0 * inf can never turn a loss into NaN.
 
     Raises:
-        ValueError: ``decoupled`` without ``proximal_logprobs``, ``behaviour_weights``
-            without ``decoupled``, mismatched shapes, or a non-positive
-            ``num_global_tokens``.
+        ValueError: ``decoupled`` without ``proximal_logprobs``, or ``behaviour_weights``
+            without ``decoupled`` (shapes and ``num_global_tokens`` were checked when
+            ``inputs`` was made).
     """
-    if decoupled and proximal_logprobs is None:
+    if decoupled and inputs.proximal_logprobs is None:
         raise ValueError(
             "proximal_logprobs is None but decoupled=True needs π_prox; "
             "pass the recomputed log-probs or set decoupled=False"
         )
-    if not decoupled and behaviour_weights is not None:
+    if not decoupled and inputs.behaviour_weights is not None:
         raise ValueError(
             "behaviour_weights were given with decoupled=False: standard PPO anchors the "
             "ratio at π_behav, so its behaviour weight is 1 by construction"
         )
-    check_same_shape(
-        "logprobs",
-        logprobs,
-        proximal_logprobs=proximal_logprobs,
-        behaviour_logprobs=behaviour_logprobs,
-        advantages=advantages,
-        loss_mask=loss_mask,
-        behaviour_weights=behaviour_weights,
-        token_scale=token_scale,
-        sequence_ids=sequence_ids,
-    )
-    check_num_global_tokens(num_global_tokens)
-
+    logprobs, proximal_logprobs = inputs.logprobs, inputs.proximal_logprobs
+    behaviour_weights = inputs.behaviour_weights
     dtype = logprobs.dtype
-    mask = loss_mask.to(dtype)
+    mask = inputs.loss_mask.to(dtype)
     valid = mask > 0
     num_valid = valid.sum()
-    behaviour = behaviour_logprobs.detach().to(dtype)
+    behaviour = inputs.behaviour_logprobs.detach().to(dtype)
     if decoupled:
         assert proximal_logprobs is not None
         anchor = proximal_logprobs.detach().to(dtype)
@@ -151,7 +108,7 @@ def policy_terms(
     else:
         log_ratio = torch.where(valid, logprobs - behaviour, 0.0)
         weights = torch.ones_like(logprobs)
-    advantages = torch.where(valid, advantages.detach().to(dtype), 0.0)
+    advantages = torch.where(valid, inputs.advantages.detach().to(dtype), 0.0)
     return PolicyTerms(dtype, mask, valid, num_valid, log_ratio, weights, advantages)
 
 
@@ -193,20 +150,12 @@ def dual_clip_refusal(objective: str, dual_clip_c: float) -> str:
 
 
 def gspo_loss(
-    logprobs: Tensor,
-    proximal_logprobs: Tensor | None,
-    behaviour_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    num_global_tokens: int | float | Tensor,
+    inputs: LossInputs,
     *,
     eps_clip_low: float = 0.2,
     eps_clip_high: float = 0.2,
     dual_clip_c: float | None = None,
     decoupled: bool = True,
-    behaviour_weights: Tensor | None = None,
-    token_scale: Tensor | None = None,
-    sequence_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token loss (Zheng et al. 2025, §4.3) of one micro-batch.
 
@@ -236,8 +185,8 @@ def gspo_loss(
     - Tokens rejected by rollout correction (``loss_mask`` False) are left out of s_i.
 
     Args: those of ``decoupled_ppo_loss``, and
-        sequence_ids: int index of each token's sequence, same shape as ``logprobs``
-            (whole sequences only). Required.
+        inputs.sequence_ids: int index of each token's sequence (whole sequences only).
+            Required.
         dual_clip_c: must be None (GSPO has no dual clip).
 
     Returns:
@@ -250,22 +199,12 @@ def gspo_loss(
     """
     if dual_clip_c is not None:
         raise ValueError(dual_clip_refusal("gspo", dual_clip_c))
+    logprobs, sequence_ids = inputs.logprobs, inputs.sequence_ids
     if sequence_ids is None:
         raise ValueError("gspo needs sequence_ids: its ratio is a mean over each sequence's tokens")
     if sequence_ids.dtype.is_floating_point or sequence_ids.dtype == torch.bool:
         raise ValueError(f"sequence_ids must be an integer tensor, got {sequence_ids.dtype}")
-    terms = policy_terms(
-        logprobs,
-        proximal_logprobs,
-        behaviour_logprobs,
-        advantages,
-        loss_mask,
-        num_global_tokens,
-        decoupled=decoupled,
-        behaviour_weights=behaviour_weights,
-        token_scale=token_scale,
-        sequence_ids=sequence_ids,
-    )
+    terms = policy_terms(inputs, decoupled=decoupled)
     valid, dtype, advantages = terms.valid, terms.dtype, terms.advantages
 
     # s_i as a constant: sum and count the valid log-ratios of each sequence.
@@ -295,7 +234,7 @@ def gspo_loss(
     clip_active = clipped_loss > unclipped_loss
 
     weighted = torch.where(valid, terms.mask * terms.weights * token_loss, 0.0)
-    loss = aggregate_token_losses(weighted, num_global_tokens, token_scale)
+    loss = aggregate_token_losses(weighted, inputs.num_global_tokens, inputs.token_scale)
 
     with torch.no_grad():
         num_valid = terms.num_valid
@@ -313,20 +252,12 @@ def gspo_loss(
 
 
 def cispo_loss(
-    logprobs: Tensor,
-    proximal_logprobs: Tensor | None,
-    behaviour_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    num_global_tokens: int | float | Tensor,
+    inputs: LossInputs,
     *,
     eps_clip_low: float = 0.2,
     eps_clip_high: float = 0.2,
     dual_clip_c: float | None = None,
     decoupled: bool = True,
-    behaviour_weights: Tensor | None = None,
-    token_scale: Tensor | None = None,
-    sequence_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO loss (MiniMax-M1, arXiv 2506.13585, eq. 4) of one micro-batch.
 
@@ -348,7 +279,7 @@ def cispo_loss(
     The paper sets no lower bound in practice (eps_low large) and tunes eps_high only;
     ``eps_clip_low=1.0`` clips below at 0, i.e. not at all.
 
-    Args: those of ``decoupled_ppo_loss``; ``sequence_ids`` is ignored and ``dual_clip_c``
+    Args: those of ``decoupled_ppo_loss``; ``inputs.sequence_ids`` is ignored and ``dual_clip_c``
         must be None (the loss of a token is linear in its log-prob, there is no
         unbounded ratio term to cap).
 
@@ -360,27 +291,16 @@ def cispo_loss(
     """
     if dual_clip_c is not None:
         raise ValueError(dual_clip_refusal("cispo", dual_clip_c))
-    terms = policy_terms(
-        logprobs,
-        proximal_logprobs,
-        behaviour_logprobs,
-        advantages,
-        loss_mask,
-        num_global_tokens,
-        decoupled=decoupled,
-        behaviour_weights=behaviour_weights,
-        token_scale=token_scale,
-        sequence_ids=sequence_ids,
-    )
+    terms = policy_terms(inputs, decoupled=decoupled)
     valid, dtype = terms.valid, terms.dtype
     ratio = torch.exp(terms.log_ratio.detach())
     clipped_ratio = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
     # Masked log-probs may be garbage (-inf for a padded position): keep them out.
-    own_logprobs = torch.where(valid, logprobs, 0.0)
+    own_logprobs = torch.where(valid, inputs.logprobs, 0.0)
     token_loss = -clipped_ratio * terms.advantages * own_logprobs
 
     weighted = torch.where(valid, terms.mask * terms.weights * token_loss, 0.0)
-    loss = aggregate_token_losses(weighted, num_global_tokens, token_scale)
+    loss = aggregate_token_losses(weighted, inputs.num_global_tokens, inputs.token_scale)
 
     with torch.no_grad():
         num_valid = terms.num_valid

@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import torch
 
-from sluice.engines.rl.objectives import check_num_global_tokens, check_same_shape
+from sluice.engines.rl.loss_inputs import check_num_global_tokens, check_same_shape
 from sluice.engines.rl.rollout_correction import Segments
 
 Tensor = torch.Tensor

@@ -24,7 +24,7 @@ from sluice.engines.env.episodes import Episode
 from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.groups import group_key
 from sluice.engines.rl.train_batch import TrainingSample
-from sluice.engines.rl.trajectory import (
+from sluice.engines.trajectory import (
     ANSWER,
     BEHAVIOUR_LOGPROBS,
     FINISH_REASON,

@@ -11,14 +11,16 @@ functions bound from config.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.aggregation import aggregation_scale
 from sluice.engines.rl.batching import PackedBatch
+from sluice.engines.rl.loss_inputs import LossInputs, PolicyLoss
 from sluice.engines.rl.metrics import mismatch_metrics
 from sluice.engines.rl.proximal import loglinear_proximal
 from sluice.engines.rl.regularizers import (
@@ -26,14 +28,44 @@ from sluice.engines.rl.regularizers import (
     kl_penalty_loss,
     kl_reward_penalty,
 )
-from sluice.engines.rl.train_batch import TrainBatch
-
-if TYPE_CHECKING:
-    from sluice.engines.rl.trainer import PolicyTrainer
+from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
+from sluice.engines.rl.train_batch import TrainBatch, TrainerSettings
 
 MicroBatchLossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(micro-batch index, its logits) -> (its loss, its metrics)``; the loss is the
 micro-batch's share of the minibatch's aggregated loss."""
+
+
+class StepTrainer(Protocol):
+    """What the step's loss reads of its trainer (``PolicyTrainer`` and the backends built
+    on it): its settings and device, the functions bound from config, and one log-prob
+    pass over a packed micro-batch. Named here so this module needs no trainer class."""
+
+    @property
+    def settings(self) -> TrainerSettings: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def decoupled(self) -> bool: ...
+    @property
+    def loss_fn(self) -> PolicyLoss: ...
+    @property
+    def correction_fn(self) -> RolloutCorrectionFn | None: ...
+    @property
+    def advantage_fn(self) -> AdvantageFn | None: ...
+
+    def packed_logprobs(
+        self,
+        batch: TrainBatch,
+        indices: Sequence[int],
+        packed: PackedBatch,
+        entropy_out: list[torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
+        entropy_grad: bool = False,
+    ) -> torch.Tensor:
+        """log π of the response tokens of the samples in `indices` (see
+        ``sluice.engines.rl.logprob_pass.LogprobPasses.packed_logprobs``)."""
+        ...
 
 
 @dataclass
@@ -72,7 +104,7 @@ def cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def correct(
-    trainer: PolicyTrainer,
+    trainer: StepTrainer,
     proximal: torch.Tensor,
     behaviour: torch.Tensor,
     mask: torch.Tensor,
@@ -86,12 +118,12 @@ def correct(
 
 
 def settle(
-    trainer: PolicyTrainer, batch: TrainBatch, prox: ProximalState, indices: list[int]
+    trainer: StepTrainer, batch: TrainBatch, prox: ProximalState, indices: list[int]
 ) -> None:
     """Rollout correction and mismatch metrics over the samples in `indices`, whose
     log π_prox is known: the correction every later minibatch reuses for them, and
     what the watchdog judges."""
-    tokens = trainer._token_index(batch, indices)
+    tokens = batch.token_index(indices)
     lengths = [batch.response_lens[i] for i in indices]
     cu = cu_seqlens(torch.tensor(lengths, dtype=torch.int64))
     proximal, behaviour = prox.values[tokens], batch.behaviour_logprobs[tokens]
@@ -113,7 +145,7 @@ def settle(
 
 
 def minibatch_loss(
-    trainer: PolicyTrainer,
+    trainer: StepTrainer,
     batch: TrainBatch,
     plan: list[list[int]],
     packed: list[PackedBatch],
@@ -131,7 +163,7 @@ def minibatch_loss(
     """
     s = trainer.settings
     minibatch = [i for mb in plan for i in mb]
-    token_mask = batch.loss_mask[trainer._token_index(batch, minibatch)]
+    token_mask = batch.loss_mask[batch.token_index(minibatch)]
     num_tokens = int(token_mask.sum())
     num_sequences = sum(int(batch.tokens_of(i, batch.loss_mask).any()) for i in minibatch)
 
@@ -141,11 +173,11 @@ def minibatch_loss(
 
     def loss_of(index: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mb = plan[index]
-        tokens = trainer._token_index(batch, mb)
+        tokens = batch.token_index(mb)
         fresh = ~prox.has_entropy[tokens]
         want_entropy = s.entropy_coef > 0 or bool(fresh.any())
         entropy: list[torch.Tensor] | None = [] if want_entropy else None
-        logprobs = trainer._packed_logprobs(
+        logprobs = trainer.packed_logprobs(
             batch, mb, packed[index], entropy, logits, entropy_grad=s.entropy_coef > 0
         )
         if entropy is not None and bool(fresh.any()):
@@ -173,17 +205,18 @@ def minibatch_loss(
         scale = aggregation_scale(mask, sequence_ids, s.loss_agg_mode, num_sequences)
         device = trainer.device
         moved = None if scale is None else scale.to(device)
-        loss, parts = trainer.loss_fn(
-            logprobs,
-            proximal.to(device),
-            behaviour.to(device),
-            batch.advantages[tokens].to(device),
-            corrected.to(device),
-            num_tokens,
+        inputs = LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=proximal.to(device),
+            behaviour_logprobs=behaviour.to(device),
+            advantages=batch.advantages[tokens].to(device),
+            loss_mask=corrected.to(device),
+            num_global_tokens=num_tokens,
             behaviour_weights=None if weights is None else weights.to(device),
             token_scale=moved,
             sequence_ids=sequence_ids.to(device),
         )
+        loss, parts = trainer.loss_fn(inputs)
         parts = dict(parts)
         if reference is not None:
             kl_loss, kl_parts = kl_penalty_loss(
@@ -210,7 +243,7 @@ def minibatch_loss(
 
 
 def kl_reward_advantages(
-    trainer: PolicyTrainer, batch: TrainBatch, reference: torch.Tensor
+    trainer: StepTrainer, batch: TrainBatch, reference: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token advantages after a KL penalty in the reward (verl's ``use_kl_in_reward``):
     r_i − β Σ_t k_t for each response, the estimate taken between the policy that

@@ -114,6 +114,11 @@ class TrainBatch:
     def tokens_of(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.response_offsets[index] : self.response_offsets[index + 1]]
 
+    def token_index(self, indices: Sequence[int]) -> torch.Tensor:
+        """Positions in the flat per-token tensors of the samples in `indices`, in order."""
+        offsets = self.response_offsets
+        return torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in indices])
+
 
 def make_batch(samples: Sequence[TrainingSample]) -> TrainBatch:
     """The samples of a step flattened once: sequences, lengths and per-token tensors.

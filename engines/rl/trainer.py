@@ -46,7 +46,8 @@ from sluice.engines.rl.advantages import AdvantageFn
 from sluice.engines.rl.batching import PackedBatch, register_packed_attention
 from sluice.engines.rl.logprob_pass import LogprobPasses
 from sluice.engines.rl.lora import LoraSettings, load_adapter, save_adapter
-from sluice.engines.rl.loss import SUMMED_LOSSES, PolicyLoss, merge_micro_batch_metrics
+from sluice.engines.rl.loss import SUMMED_LOSSES, merge_micro_batch_metrics
+from sluice.engines.rl.loss_inputs import PolicyLoss
 from sluice.engines.rl.rollout_correction import RolloutCorrectionFn
 from sluice.engines.rl.schedules import lr_multiplier
 from sluice.engines.rl.step_loss import (
@@ -326,7 +327,7 @@ class PolicyTrainer(LogprobPasses):
             first = set(exact_first)
             rest = [i for i in range(n) if i not in first]
             if s.proximal == "exact" and rest:
-                tokens = self._token_index(batch, rest)
+                tokens = batch.token_index(rest)
                 pass_tokens = int(tokens.numel())
                 self.compute_logprobs(batch, prox.entropies, indices=rest, out=prox.values)
                 prox.known[tokens] = prox.has_entropy[tokens] = True

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, get_args
 
 from sluice.engines.inference.types import FinishReason, GenerationOutput, PauseMode
-from sluice.engines.rl.trajectory import version_bounds
+from sluice.engines.trajectory import version_bounds
 
 # ------------------------------------------------------------------ routes
 

@@ -1,7 +1,7 @@
 """The trajectory row layout of every stream, and the helpers that build and check tables.
 
 Row = one sampled response (docs/design.md §3), typed in Python as
-``sluice.engines.rl.trajectory.TrajectoryRow`` (a unit test holds its fields and this
+``sluice.engines.trajectory.TrajectoryRow`` (a unit test holds its fields and this
 schema's columns equal, names and nullability). The Arrow schema carries
 ``sluice.schema_version`` and ``sluice.stream`` in its metadata (invariant 4,
 self-describing): ``validate_table`` checks a shard read back, ``conform_table`` readies a
@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sluice.engines.rl.trajectory import (
+from sluice.engines.trajectory import (
     BEHAVIOUR_LOGPROBS,
     CREATED_AT,
     LOSS_MASK,

@@ -1,6 +1,7 @@
 """The four layers import only downwards, through the one `sluice` package, the rooms of
 tasks/ keep to their own (a run's files import no role, and the process room imports a
-role only where it starts one), and no module imports itself round a cycle.
+role only where it starts one), the sub-packages of engines/ import only the rooms their
+row of `ENGINE_ROOMS` names, and no module imports itself round a cycle.
 
 Read from the source (imports at module level and inside functions alike), so a
 lazy import cannot hide a cycle or a layer breach; imports under `if TYPE_CHECKING:`
@@ -10,6 +11,7 @@ never run and do not count. See docs/architecture.md.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +45,7 @@ ALLOWED_ENGINE_IMPORTS_IN_INFRA = (
     "sluice.engines.inference.weight_sync",  # serving/weight_routes: the transfer format
     "sluice.engines.policy.model",
     "sluice.engines.env.sandbox",
-    "sluice.engines.rl.trajectory",  # streams/schema: the row's column names (stdlib only)
+    "sluice.engines.trajectory",  # streams/schema: the row's column names (stdlib only)
 )
 
 
@@ -63,6 +65,38 @@ TASK_ROOMS: dict[str, tuple[str, ...]] = {
 """What of `sluice.tasks` each sub-package of tasks/ may import (besides the package name)."""
 STARTS_ROLES = ("sluice.tasks.process.worker",)
 """The modules of tasks/process that import the roles, because they start them."""
+
+
+# The rooms of engines/ (its sub-packages, and its root modules by their own name), in
+# the order their arrows point: each may import only the rooms its row names (besides
+# itself), which are below it in `ENGINE_ORDER` but for the known exceptions under it.
+ENGINE_ROOMS: dict[str, tuple[str, ...]] = {
+    # The data contract every room reads: a trajectory row, standard library only.
+    "trajectory": (),
+    # Generation; "policy" is the known upward arrow below (LoRA adapters).
+    "inference": ("trajectory", "policy"),
+    # Problems, verifiers, tools and episodes, which generate through the engine's types.
+    "env": ("trajectory", "inference"),
+    # The policy's files and its warm start, which runs episodes on the engine.
+    "policy": ("env", "inference"),
+    # The RL math, the samples built from episodes, the trainer step (and LoRA training).
+    "rl": ("trajectory", "env", "policy"),
+    # Backends and tools built on the trainer step and the engine's weights and profile.
+    "megatron": ("rl", "inference"),
+    "planner": ("rl", "inference"),
+}
+"""What each room of engines/ may import of `sluice.engines` (rooms by name)."""
+ENGINE_ORDER = ("trajectory", "inference", "env", "policy", "rl", "megatron", "planner")
+"""The rooms of engines/ from the bottom up: an allowed arrow points down this order."""
+KNOWN_UPWARD_ARROWS = {
+    # A circle, left visible rather than hidden: inference/engine.py loads LoRA adapters
+    # through policy/adapter.py (which reads files with inference/weights.py), while
+    # policy/warm_checks.py runs episodes (env) on the engine, and env/episodes.py speaks
+    # inference/types.py. So env, inference and policy form one strongly connected set
+    # until the policy's file formats (adapter) and its warm-start tooling part rooms.
+    ("inference", "policy"),
+}
+"""Allowed arrows that point up `ENGINE_ORDER`: known circles, each to be removed."""
 
 
 def module_name(path: Path) -> str:
@@ -98,7 +132,9 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+@functools.cache
 def project_modules() -> dict[str, set[str]]:
+    """Every module's imports, read once per session (the tests only read the result)."""
     modules = {}
     for layer in LAYERS:
         for path in sorted((ROOT / layer).rglob("*.py")):
@@ -192,6 +228,80 @@ def test_the_layer_check_finds_a_breach():
     assert "sluice.engines.rl.loss" in project_modules()
     # The graph has edges: a check over a graph without them would pass vacuously.
     assert "sluice.engines.rl.advantages" in project_modules()["sluice.engines.rl.samples"]
+
+
+def engine_room(name: str) -> str | None:
+    """The room of engines/ an import name lies in (None: outside engines/, or the
+    package itself)."""
+    parts = name.split(".")
+    return parts[2] if parts[:2] == [PACKAGE, "engines"] and len(parts) > 2 else None
+
+
+def engine_room_breaches(modules: dict[str, set[str]]) -> list[str]:
+    """`module imports name` for each import of another room of engines/ that the
+    importing room's row of `ENGINE_ROOMS` does not name (or from a room not in it)."""
+    breaches = []
+    for module, imported in modules.items():
+        room = engine_room(module)
+        if room is None:
+            continue
+        allowed = ENGINE_ROOMS.get(room, ())
+        for name in sorted(imported):
+            target = engine_room(name)
+            if target is not None and target != room and target not in allowed:
+                rooms = ", ".join(allowed) or "no other room"
+                breaches.append(
+                    f"{module} imports {name}: engines/{room} may import {rooms} (ENGINE_ROOMS)"
+                )
+    return breaches
+
+
+def test_the_rooms_of_engines_import_only_the_rooms_their_row_names():
+    breaches = engine_room_breaches(project_modules())
+    assert breaches == [], "\n".join(breaches)
+
+
+def test_the_engine_rooms_table_points_down_but_for_the_known_circles():
+    modules = project_modules()
+    rooms = {engine_room(m) for m in modules} - {None}
+    # Every room is in the table, so a new sub-package gets a row rather than a pass.
+    assert rooms == set(ENGINE_ROOMS) == set(ENGINE_ORDER)
+    upward = {
+        (room, target)
+        for room, allowed in ENGINE_ROOMS.items()
+        for target in allowed
+        if ENGINE_ORDER.index(target) > ENGINE_ORDER.index(room)
+    }
+    assert upward == KNOWN_UPWARD_ARROWS
+    # A known circle that the code no longer has leaves the table: the exception must
+    # not outlive it.
+    arrows = {
+        (engine_room(m), engine_room(n))
+        for m, imported in modules.items()
+        for n in imported
+        if engine_room(m) and engine_room(n) and engine_room(m) != engine_room(n)
+    }
+    assert arrows >= KNOWN_UPWARD_ARROWS
+
+
+def test_the_engine_room_check_finds_a_breach():
+    breaches = engine_room_breaches(
+        {
+            "sluice.engines.trajectory": {"sluice.engines.rl.groups.GroupKey"},
+            "sluice.engines.env.episodes": {"sluice.engines.inference.types", "sluice.engines"},
+            "sluice.engines.rl.loss": {"sluice.engines.rl.objectives", "sluice.engines.megatron"},
+            "sluice.engines.lab.x": {"sluice.engines.trajectory"},
+            "sluice.infra.config": {"sluice.engines.planner.search"},
+        }
+    )
+    assert breaches == [
+        "sluice.engines.trajectory imports sluice.engines.rl.groups.GroupKey: "
+        "engines/trajectory may import no other room (ENGINE_ROOMS)",
+        "sluice.engines.rl.loss imports sluice.engines.megatron: "
+        "engines/rl may import trajectory, env, policy (ENGINE_ROOMS)",
+        "sluice.engines.lab.x imports sluice.engines.trajectory: "
+        "engines/lab may import no other room (ENGINE_ROOMS)",
+    ]
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -139,9 +139,10 @@ def test_on_fresh_data_loglinear_updates_as_the_exact_proximal_does(tiny_dir):
 def recording(loss_fn, calls):
     """`loss_fn`, noting the log π_θ, log π_prox and log π_behav of every call."""
 
-    def loss(logprobs, proximal, behaviour, *args, **kwargs):
-        calls.append([t.detach().cpu().clone() for t in (logprobs, proximal, behaviour)])
-        return loss_fn(logprobs, proximal, behaviour, *args, **kwargs)
+    def loss(inputs):
+        named = (inputs.logprobs, inputs.proximal_logprobs, inputs.behaviour_logprobs)
+        calls.append([t.detach().cpu().clone() for t in named])
+        return loss_fn(inputs)
 
     return loss
 

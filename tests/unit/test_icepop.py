@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sluice.engines.rl.loss import decoupled_ppo_loss
+from sluice.engines.rl.loss_inputs import LossInputs
 from sluice.engines.rl.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     correct_behaviour_weights,
@@ -104,13 +105,15 @@ def test_icepop_masked_tokens_stay_in_the_denominator():
     prox, behav, mask = _from_delta([math.log(0.25), 0.0, math.log(2.0), math.log(8.0)])
     out = correct_behaviour_weights(prox, behav, mask, mode="icepop")
     loss, _ = decoupled_ppo_loss(
-        prox.clone(),
-        prox,
-        behav,
-        torch.ones(4),
-        out.loss_mask,
-        4,
-        behaviour_weights=out.behaviour_weights,
+        LossInputs(
+            logprobs=prox.clone(),
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=torch.ones(4),
+            loss_mask=out.loss_mask,
+            num_global_tokens=4,
+            behaviour_weights=out.behaviour_weights,
+        )
     )
     # L = -(0 + 1 + 2 + 0) / 4 = -0.75
     torch.testing.assert_close(loss, torch.tensor(-0.75))

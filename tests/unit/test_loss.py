@@ -7,6 +7,7 @@ import torch
 
 from sluice.engines.rl.batching import dynamic_micro_batches
 from sluice.engines.rl.loss import decoupled_ppo_loss, make_policy_loss, merge_micro_batch_metrics
+from sluice.engines.rl.loss_inputs import LossInputs
 from sluice.infra.trainer_config import LossConfig
 
 # Three tokens shared by the hand-worked cases:
@@ -28,7 +29,16 @@ def _inputs():
 
 def test_decoupled_loss_matches_hand_worked_value():
     logprobs, prox, behav = _inputs()
-    loss, metrics = decoupled_ppo_loss(logprobs, prox, behav, ADV, MASK, 3)
+    loss, metrics = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=ADV,
+            loss_mask=MASK,
+            num_global_tokens=3,
+        )
+    )
     # token 0: A=1,  u=1.1 inside [0.8, 1.2]: min(1.1, 1.1) = 1.1; times w=e^-1  -> -0.40466739
     # token 1: A=-1, u=0.7 < 0.8: min(-0.7, -0.8) = -0.8;      times w=e^0.5 -> +1.31897702
     # token 2: A=2,  u=1.3 > 1.2: min(2.6, 2.4) = 2.4;          times w=1     -> -2.4
@@ -49,7 +59,14 @@ def test_behaviour_weight_is_exp_of_log_ratio():
     behav = prox - torch.tensor([-1.0, 0.5])
     logprobs = prox.clone().requires_grad_(True)
     loss, metrics = decoupled_ppo_loss(
-        logprobs, prox, behav, torch.ones(2), torch.ones(2, dtype=torch.bool), 1
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=torch.ones(2),
+            loss_mask=torch.ones(2, dtype=torch.bool),
+            num_global_tokens=1,
+        )
     )
     # w = exp(-1) = 0.3679 and exp(0.5) = 1.6487; L = -(0.3679 + 1.6487) / 1
     torch.testing.assert_close(loss, torch.tensor(-(0.36787944 + 1.64872127)))
@@ -58,7 +75,16 @@ def test_behaviour_weight_is_exp_of_log_ratio():
 
 def test_clipped_tokens_get_no_gradient_and_unclipped_get_weighted_gradient():
     logprobs, prox, behav = _inputs()
-    loss, _ = decoupled_ppo_loss(logprobs, prox, behav, ADV, MASK, 3)
+    loss, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=ADV,
+            loss_mask=MASK,
+            num_global_tokens=3,
+        )
+    )
     loss.backward()
     # d/dlogprob of -w*u*A/N = -w*u*A/N for the unclipped token 0: -(e^-1 * 1.1 * 1)/3
     expected = torch.tensor([-math.exp(-1) * 1.1 / 3, 0.0, 0.0])
@@ -67,7 +93,17 @@ def test_clipped_tokens_get_no_gradient_and_unclipped_get_weighted_gradient():
 
 def test_standard_ppo_anchors_the_ratio_at_behaviour_policy():
     logprobs, _, behav = _inputs()
-    loss, _ = decoupled_ppo_loss(logprobs, None, behav, ADV, MASK, 3, decoupled=False)
+    loss, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=None,
+            behaviour_logprobs=behav,
+            advantages=ADV,
+            loss_mask=MASK,
+            num_global_tokens=3,
+        ),
+        decoupled=False,
+    )
     # ratio = exp(logprobs - b) = u * w = [0.40466739, 1.15410489, 1.3], weight 1
     # token 0: A=1,  r=0.405 < 0.8: min(0.405, 0.8) = 0.405       -> -0.40466739
     # token 1: A=-1, r=1.154 in range: -1.154                     -> +1.15410489
@@ -84,8 +120,27 @@ def test_decoupled_equals_standard_ppo_when_proximal_is_behaviour():
     base = behav + 0.3 * torch.randn(6)
     a = base.clone().requires_grad_(True)
     b = base.clone().requires_grad_(True)
-    loss_a, _ = decoupled_ppo_loss(a, behav, behav, advantages, mask, 5)
-    loss_b, _ = decoupled_ppo_loss(b, None, behav, advantages, mask, 5, decoupled=False)
+    loss_a, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=a,
+            proximal_logprobs=behav,
+            behaviour_logprobs=behav,
+            advantages=advantages,
+            loss_mask=mask,
+            num_global_tokens=5,
+        )
+    )
+    loss_b, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=b,
+            proximal_logprobs=None,
+            behaviour_logprobs=behav,
+            advantages=advantages,
+            loss_mask=mask,
+            num_global_tokens=5,
+        ),
+        decoupled=False,
+    )
     loss_a.backward()
     loss_b.backward()
     torch.testing.assert_close(loss_a, loss_b)
@@ -97,7 +152,15 @@ def test_dual_clip_caps_negative_advantage_loss():
     logprobs = torch.log(torch.tensor([5.0, 1.0, 1.0])).requires_grad_(True)
     advantages = torch.tensor([-1.0, -2.0, 1.0])
     loss, metrics = decoupled_ppo_loss(
-        logprobs, prox, prox, advantages, torch.ones(3), 3, dual_clip_c=3.0
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=prox,
+            advantages=advantages,
+            loss_mask=torch.ones(3),
+            num_global_tokens=3,
+        ),
+        dual_clip_c=3.0,
     )
     # token 0: A=-1, u=5: max(5, 1.2) = 5 capped at c|A| = 3
     # token 1: A=-2, u=1: 2 (cap 6 not reached); token 2: A=1, u=1: -1
@@ -106,7 +169,16 @@ def test_dual_clip_caps_negative_advantage_loss():
     torch.testing.assert_close(metrics["loss/dual_clip_fraction"], torch.tensor(1 / 3))
     loss.backward()
     assert logprobs.grad[0] == 0.0
-    undual, _ = decoupled_ppo_loss(logprobs.detach(), prox, prox, advantages, torch.ones(3), 3)
+    undual, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=logprobs.detach(),
+            proximal_logprobs=prox,
+            behaviour_logprobs=prox,
+            advantages=advantages,
+            loss_mask=torch.ones(3),
+            num_global_tokens=3,
+        )
+    )
     torch.testing.assert_close(undual, torch.tensor(2.0))
 
 
@@ -118,7 +190,16 @@ def test_masked_tokens_with_garbage_values_do_not_change_the_loss():
     behav4 = torch.cat([behav, torch.tensor([-1e30])])
     adv4 = torch.cat([ADV, torch.tensor([1e6])])
     mask4 = torch.tensor([True, True, True, False])
-    loss, metrics = decoupled_ppo_loss(lp4, prox4, behav4, adv4, mask4, 3)
+    loss, metrics = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=lp4,
+            proximal_logprobs=prox4,
+            behaviour_logprobs=behav4,
+            advantages=adv4,
+            loss_mask=mask4,
+            num_global_tokens=3,
+        )
+    )
     torch.testing.assert_close(loss, torch.tensor(-0.49523012))
     assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -127,7 +208,17 @@ def test_behaviour_weights_replace_the_ratio_and_zeroed_tokens_keep_the_denomina
     logprobs, prox, behav = _inputs()
     weights = torch.tensor([2.0, 0.0, 1.0])
     mask = torch.tensor([True, False, True])
-    loss, _ = decoupled_ppo_loss(logprobs, prox, behav, ADV, mask, 3, behaviour_weights=weights)
+    loss, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=ADV,
+            loss_mask=mask,
+            num_global_tokens=3,
+            behaviour_weights=weights,
+        )
+    )
     # token 0: -2 * 1.1 = -2.2; token 1 rejected; token 2: -2.4. Denominator stays 3:
     # L = (-2.2 - 2.4) / 3 = -1.5333333
     torch.testing.assert_close(loss, torch.tensor(-4.6 / 3))
@@ -154,7 +245,14 @@ def test_micro_batched_accumulation_equals_full_batch_gradient():
 
     w_full = weight.clone().requires_grad_(True)
     full, _ = decoupled_ppo_loss(
-        token_logprobs(w_full, all_rows), prox, behav, advantages, mask, n_global
+        LossInputs(
+            logprobs=token_logprobs(w_full, all_rows),
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=advantages,
+            loss_mask=mask,
+            num_global_tokens=n_global,
+        )
     )
     full.backward()
 
@@ -166,12 +264,14 @@ def test_micro_batched_accumulation_equals_full_batch_gradient():
     for mb in micro_batches:
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mb])
         loss, metrics = decoupled_ppo_loss(
-            token_logprobs(w_micro, rows),
-            prox[rows],
-            behav[rows],
-            advantages[rows],
-            mask[rows],
-            n_global,
+            LossInputs(
+                logprobs=token_logprobs(w_micro, rows),
+                proximal_logprobs=prox[rows],
+                behaviour_logprobs=behav[rows],
+                advantages=advantages[rows],
+                loss_mask=mask[rows],
+                num_global_tokens=n_global,
+            )
         )
         loss.backward()
         parts.append(metrics)
@@ -184,7 +284,16 @@ def test_micro_batched_accumulation_equals_full_batch_gradient():
 def test_make_policy_loss_binds_config_and_rejects_bad_values():
     fn = make_policy_loss(decoupled=True, eps_clip_low=0.2, eps_clip_high=0.2, dual_clip_c=None)
     logprobs, prox, behav = _inputs()
-    loss, _ = fn(logprobs, prox, behav, ADV, MASK, 3)
+    loss, _ = fn(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=ADV,
+            loss_mask=MASK,
+            num_global_tokens=3,
+        )
+    )
     torch.testing.assert_close(loss, torch.tensor(-0.49523012))
     with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
         make_policy_loss("ppo2")
@@ -213,5 +322,6 @@ def test_bad_inputs_raise_one_clear_error(kwargs, message):
         "num_global_tokens": 3,
     }
     args.update(kwargs)
+    config = {k: args.pop(k) for k in ("decoupled",) if k in args}
     with pytest.raises(ValueError, match=message):
-        decoupled_ppo_loss(**args)
+        decoupled_ppo_loss(LossInputs(**args), **config)

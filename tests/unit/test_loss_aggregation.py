@@ -9,6 +9,7 @@ import torch
 from sluice.engines.rl.aggregation import LOSS_AGG_MODES, aggregation_scale
 from sluice.engines.rl.batching import dynamic_micro_batches
 from sluice.engines.rl.loss import decoupled_ppo_loss
+from sluice.engines.rl.loss_inputs import LossInputs
 
 # Six tokens of three sequences in one micro-batch; the minibatch has G = 4 trained
 # sequences in all (two more live in other micro-batches):
@@ -76,7 +77,16 @@ def _ppo(mode, loss_mask=None, scale_mask=None):
     logprobs = (PROX + U.log()).requires_grad_(True)
     scale = aggregation_scale(scale_mask, PPO_IDS, mode, 2)
     loss, metrics = decoupled_ppo_loss(
-        logprobs, PROX, PROX - DELTA, ADV, mask, 3, token_scale=scale, sequence_ids=PPO_IDS
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=PROX,
+            behaviour_logprobs=PROX - DELTA,
+            advantages=ADV,
+            loss_mask=mask,
+            num_global_tokens=3,
+            token_scale=scale,
+            sequence_ids=PPO_IDS,
+        )
     )
     loss.backward()
     return loss, logprobs.grad, metrics
@@ -108,7 +118,16 @@ def test_tokens_rejected_by_correction_keep_their_place_in_the_sequence_length()
 def test_token_mean_is_the_unscaled_loss_bit_for_bit():
     loss, grad, _ = _ppo("token-mean")
     logprobs = (PROX + U.log()).requires_grad_(True)
-    plain, _ = decoupled_ppo_loss(logprobs, PROX, PROX - DELTA, ADV, torch.ones(3), 3)
+    plain, _ = decoupled_ppo_loss(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=PROX,
+            behaviour_logprobs=PROX - DELTA,
+            advantages=ADV,
+            loss_mask=torch.ones(3),
+            num_global_tokens=3,
+        )
+    )
     plain.backward()
     assert torch.equal(loss, plain)
     assert torch.equal(grad, logprobs.grad)

@@ -137,6 +137,7 @@ def test_megatron_optimizer_and_schedule_train_like_torch_adamw(policy_dir: Path
     reaches from the same start (float32; the gap is float rounding of the two paths)."""
     from sluice.engines.megatron.optimizer import MegatronPolicyOptimizer
     from sluice.engines.rl.loss import decoupled_ppo_loss
+    from sluice.engines.rl.loss_inputs import LossInputs
 
     model, hf_config = megatron_model.load_hf_policy(policy_dir)
     hf = AutoModelForCausalLM.from_pretrained(policy_dir)
@@ -169,12 +170,14 @@ def test_megatron_optimizer_and_schedule_train_like_torch_adamw(policy_dir: Path
     def loss(index: int, logprobs: torch.Tensor, denominator: int) -> torch.Tensor:
         k = keep[index]
         value, _ = decoupled_ppo_loss(
-            logprobs,
-            behaviour[index][k],
-            behaviour[index][k],
-            advantages[index][k],
-            torch.ones(int(k.sum()), dtype=torch.bool),
-            denominator,
+            LossInputs(
+                logprobs=logprobs,
+                proximal_logprobs=behaviour[index][k],
+                behaviour_logprobs=behaviour[index][k],
+                advantages=advantages[index][k],
+                loss_mask=torch.ones(int(k.sum()), dtype=torch.bool),
+                num_global_tokens=denominator,
+            )
         )
         return value
 

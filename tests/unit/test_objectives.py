@@ -14,6 +14,7 @@ from sluice.engines.rl.loss import (
     make_policy_loss,
     merge_micro_batch_metrics,
 )
+from sluice.engines.rl.loss_inputs import LossInputs
 from sluice.engines.rl.objectives import cispo_loss, gspo_loss
 
 # ------------------------------------------------------------------ GSPO, by hand
@@ -33,9 +34,18 @@ G_MASK = torch.ones(5, dtype=torch.bool)
 
 def _gspo(**kwargs):
     logprobs = (G_PROX + G_LOG_RATIO).requires_grad_(True)
-    loss, metrics = gspo_loss(
-        logprobs, G_PROX, G_BEHAV, G_ADV, G_MASK, 5, sequence_ids=G_IDS, **kwargs
+    token_scale = kwargs.pop("token_scale", None)
+    inputs = LossInputs(
+        logprobs=logprobs,
+        proximal_logprobs=G_PROX,
+        behaviour_logprobs=G_BEHAV,
+        advantages=G_ADV,
+        loss_mask=G_MASK,
+        num_global_tokens=5,
+        token_scale=token_scale,
+        sequence_ids=G_IDS,
     )
+    loss, metrics = gspo_loss(inputs, **kwargs)
     loss.backward()
     return loss, logprobs.grad, metrics
 
@@ -86,11 +96,18 @@ def test_gspo_gives_every_token_of_a_sequence_the_same_ratio():
     # mean 0.05, so every token's ratio is e^0.05 = 1.05127110, where PPO sees four.
     prox = torch.tensor([-1.0, -0.7, -2.0, -0.4])
     logprobs = prox + torch.tensor([0.5, -0.3, 0.1, -0.1])
-    args = (logprobs, prox, prox, torch.ones(4), torch.ones(4), 4)
-    _, metrics = gspo_loss(*args, sequence_ids=torch.zeros(4, dtype=torch.int64))
+    args = dict(
+        logprobs=logprobs,
+        proximal_logprobs=prox,
+        behaviour_logprobs=prox,
+        advantages=torch.ones(4),
+        loss_mask=torch.ones(4),
+        num_global_tokens=4,
+    )
+    _, metrics = gspo_loss(LossInputs(**args, sequence_ids=torch.zeros(4, dtype=torch.int64)))
     torch.testing.assert_close(metrics["loss/ratio_max"], torch.tensor(math.exp(0.05)))
     torch.testing.assert_close(metrics["loss/ratio_min"], torch.tensor(math.exp(0.05)))
-    _, ppo_metrics = decoupled_ppo_loss(*args)
+    _, ppo_metrics = decoupled_ppo_loss(LossInputs(**args))
     assert ppo_metrics["loss/ratio_max"] > ppo_metrics["loss/ratio_min"]
 
 
@@ -103,9 +120,18 @@ def test_gspo_gradient_carries_each_sequences_ratio_on_every_token():
     log_ratio = 0.2 * torch.randn(9, generator=generator)
     logprobs = (prox + log_ratio).requires_grad_(True)
     loss, _ = gspo_loss(
-        logprobs, prox, prox, torch.ones(9), torch.ones(9), 1,
-        eps_clip_low=1.0, eps_clip_high=100.0, sequence_ids=ids,
-    )  # fmt: skip
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=prox,
+            advantages=torch.ones(9),
+            loss_mask=torch.ones(9),
+            num_global_tokens=1,
+            sequence_ids=ids,
+        ),
+        eps_clip_low=1.0,
+        eps_clip_high=100.0,
+    )
     loss.backward()
     for i in range(3):
         s_i = log_ratio[ids == i].mean().exp()
@@ -119,9 +145,17 @@ def test_gspo_sequence_ratio_leaves_out_masked_tokens():
     logprobs = torch.tensor([0.3, 50.0, 0.1])
     mask = torch.tensor([True, False, True])
     loss, metrics = gspo_loss(
-        logprobs, prox, prox, torch.ones(3), mask, 2,
-        eps_clip_high=10.0, sequence_ids=torch.zeros(3, dtype=torch.int64),
-    )  # fmt: skip
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=prox,
+            behaviour_logprobs=prox,
+            advantages=torch.ones(3),
+            loss_mask=mask,
+            num_global_tokens=2,
+            sequence_ids=torch.zeros(3, dtype=torch.int64),
+        ),
+        eps_clip_high=10.0,
+    )
     torch.testing.assert_close(loss, torch.tensor(-math.exp(0.2)))
     assert all(torch.isfinite(v) for v in metrics.values())
 
@@ -143,7 +177,16 @@ C_MASK = torch.ones(3, dtype=torch.bool)
 
 def test_cispo_matches_hand_worked_value_and_gradient():
     logprobs = (C_PROX + C_RATIO.log()).requires_grad_(True)
-    loss, metrics = cispo_loss(logprobs, C_PROX, C_BEHAV, C_ADV, C_MASK, 3)
+    loss, metrics = cispo_loss(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=C_PROX,
+            behaviour_logprobs=C_BEHAV,
+            advantages=C_ADV,
+            loss_mask=C_MASK,
+            num_global_tokens=3,
+        )
+    )
     # -w sg[clip r] A logprob per token:
     #   token 0: -e^-1  * 1.1 *  1 * -0.90468982 = +0.36609846
     #   token 1: -e^0.5 * 0.8 * -1 * -2.35667494 = -3.10840009
@@ -166,7 +209,16 @@ def test_cispo_trains_a_clipped_token_that_ppo_drops():
     grads = {}
     for name, fn in (("ppo", decoupled_ppo_loss), ("cispo", cispo_loss)):
         logprobs = (C_PROX + C_RATIO.log()).requires_grad_(True)
-        loss, _ = fn(logprobs, C_PROX, C_BEHAV, C_ADV, C_MASK, 3)
+        loss, _ = fn(
+            LossInputs(
+                logprobs=logprobs,
+                proximal_logprobs=C_PROX,
+                behaviour_logprobs=C_BEHAV,
+                advantages=C_ADV,
+                loss_mask=C_MASK,
+                num_global_tokens=3,
+            )
+        )
         loss.backward()
         grads[name] = logprobs.grad
     assert grads["ppo"][2] == 0.0
@@ -190,8 +242,29 @@ def test_standard_form_equals_decoupled_form_with_proximal_equal_to_behaviour(ob
     base = behav + 0.3 * torch.randn(7, generator=generator)
     a = base.clone().requires_grad_(True)
     b = base.clone().requires_grad_(True)
-    loss_a, _ = objective(a, behav, behav, advantages, mask, 5, sequence_ids=ids)
-    loss_b, _ = objective(b, None, behav, advantages, mask, 5, decoupled=False, sequence_ids=ids)
+    loss_a, _ = objective(
+        LossInputs(
+            logprobs=a,
+            proximal_logprobs=behav,
+            behaviour_logprobs=behav,
+            advantages=advantages,
+            loss_mask=mask,
+            num_global_tokens=5,
+            sequence_ids=ids,
+        )
+    )
+    loss_b, _ = objective(
+        LossInputs(
+            logprobs=b,
+            proximal_logprobs=None,
+            behaviour_logprobs=behav,
+            advantages=advantages,
+            loss_mask=mask,
+            num_global_tokens=5,
+            sequence_ids=ids,
+        ),
+        decoupled=False,
+    )
     loss_a.backward()
     loss_b.backward()
     torch.testing.assert_close(loss_a, loss_b)
@@ -201,14 +274,34 @@ def test_standard_form_equals_decoupled_form_with_proximal_equal_to_behaviour(ob
 @pytest.mark.parametrize("objective", [gspo_loss, cispo_loss])
 def test_masked_tokens_with_garbage_values_leave_the_loss_finite_and_unchanged(objective):
     logprobs = C_PROX + C_RATIO.log()
-    clean, _ = objective(logprobs, C_PROX, C_BEHAV, C_ADV, C_MASK, 3, sequence_ids=_ids(3))
+    clean, _ = objective(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=C_PROX,
+            behaviour_logprobs=C_BEHAV,
+            advantages=C_ADV,
+            loss_mask=C_MASK,
+            num_global_tokens=3,
+            sequence_ids=_ids(3),
+        )
+    )
     # A fourth, masked token of the same sequence whose log-probs would overflow exp().
     lp4 = torch.cat([logprobs, torch.tensor([float("-inf")])]).requires_grad_(True)
     prox4 = torch.cat([C_PROX, torch.tensor([-900.0])])
     behav4 = torch.cat([C_BEHAV, torch.tensor([-1e30])])
     adv4 = torch.cat([C_ADV, torch.tensor([1e6])])
     mask4 = torch.tensor([True, True, True, False])
-    loss, metrics = objective(lp4, prox4, behav4, adv4, mask4, 3, sequence_ids=_ids(4))
+    loss, metrics = objective(
+        LossInputs(
+            logprobs=lp4,
+            proximal_logprobs=prox4,
+            behaviour_logprobs=behav4,
+            advantages=adv4,
+            loss_mask=mask4,
+            num_global_tokens=3,
+            sequence_ids=_ids(4),
+        )
+    )
     loss.backward()
     torch.testing.assert_close(loss, clean)
     assert torch.isfinite(lp4.grad).all() and lp4.grad[3] == 0.0
@@ -238,13 +331,23 @@ def test_bad_inputs_raise_one_clear_error(objective, kwargs, message):
         "sequence_ids": _ids(3),
     }
     args.update(kwargs)
+    config = {k: args.pop(k) for k in ("decoupled", "dual_clip_c") if k in args}
     with pytest.raises(ValueError, match=message):
-        objective(**args)
+        objective(LossInputs(**args), **config)
 
 
 def test_gspo_refuses_to_run_without_sequence_ids():
     with pytest.raises(ValueError, match="gspo needs sequence_ids"):
-        gspo_loss(C_PROX, C_PROX, C_BEHAV, C_ADV, C_MASK, 3)
+        gspo_loss(
+            LossInputs(
+                logprobs=C_PROX,
+                proximal_logprobs=C_PROX,
+                behaviour_logprobs=C_BEHAV,
+                advantages=C_ADV,
+                loss_mask=C_MASK,
+                num_global_tokens=3,
+            )
+        )
 
 
 # ------------------------------------------------------------------ micro-batch invariance
@@ -280,9 +383,17 @@ def test_micro_batched_accumulation_equals_full_batch_for_every_mode(name, mode)
     def run(w, rows, ids):
         scale = aggregation_scale(mask[rows], ids, mode, n_sequences)
         return objective(
-            token_logprobs(w, rows), prox[rows], behav[rows], advantages[rows],
-            corrected[rows], n_tokens, token_scale=scale, sequence_ids=ids,
-        )  # fmt: skip
+            LossInputs(
+                logprobs=token_logprobs(w, rows),
+                proximal_logprobs=prox[rows],
+                behaviour_logprobs=behav[rows],
+                advantages=advantages[rows],
+                loss_mask=corrected[rows],
+                num_global_tokens=n_tokens,
+                token_scale=scale,
+                sequence_ids=ids,
+            )
+        )
 
     w_full = weight.clone().requires_grad_(True)
     full, _ = run(w_full, torch.arange(total), seq_of_token)
@@ -326,7 +437,15 @@ def test_registry_holds_the_three_objectives_with_the_metrics_the_trainer_merges
     assert set(POLICY_LOSSES) == {"decoupled_ppo", "gspo", "cispo"}
     for name, objective in POLICY_LOSSES.items():
         _, metrics = objective(
-            C_PROX + C_RATIO.log(), C_PROX, C_BEHAV, C_ADV, C_MASK, 3, sequence_ids=_ids(3)
+            LossInputs(
+                logprobs=C_PROX + C_RATIO.log(),
+                proximal_logprobs=C_PROX,
+                behaviour_logprobs=C_BEHAV,
+                advantages=C_ADV,
+                loss_mask=C_MASK,
+                num_global_tokens=3,
+                sequence_ids=_ids(3),
+            )
         )
         assert REQUIRED_METRICS.issubset(metrics), name
         assert all(m.dim() == 0 and not m.requires_grad for m in metrics.values()), name
@@ -335,9 +454,17 @@ def test_registry_holds_the_three_objectives_with_the_metrics_the_trainer_merges
 @pytest.mark.parametrize("name", ["gspo", "cispo"])
 def test_make_policy_loss_binds_the_new_objectives(name):
     fn = make_policy_loss(name, decoupled=True, eps_clip_low=0.2, eps_clip_high=0.2)
-    args = (C_PROX + C_RATIO.log(), C_PROX, C_BEHAV, C_ADV, C_MASK, 3)
-    bound, _ = fn(*args, sequence_ids=_ids(3))
-    direct, _ = OBJECTIVES[name](*args, sequence_ids=_ids(3))
+    inputs = LossInputs(
+        logprobs=C_PROX + C_RATIO.log(),
+        proximal_logprobs=C_PROX,
+        behaviour_logprobs=C_BEHAV,
+        advantages=C_ADV,
+        loss_mask=C_MASK,
+        num_global_tokens=3,
+        sequence_ids=_ids(3),
+    )
+    bound, _ = fn(inputs)
+    direct, _ = OBJECTIVES[name](inputs)
     assert torch.equal(bound, direct)
 
 

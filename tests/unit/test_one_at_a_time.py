@@ -11,6 +11,7 @@ from sluice.infra.serving.weight_routes import _OneAtATime
 
 def test_a_call_that_answered_never_leaves_the_slot_taken():
     slot = _OneAtATime("collective")
+
     def work():
         return 1
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sluice.engines.rl.loss import decoupled_ppo_loss
+from sluice.engines.rl.loss_inputs import LossInputs
 from sluice.engines.rl.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     correct_behaviour_weights,
@@ -135,13 +136,15 @@ def test_masked_tokens_leave_the_numerator_but_stay_in_the_denominator():
     num_global_tokens = int(mask.sum())  # counted before correction
     out = correct_behaviour_weights(prox, behav, mask, mode="token_mis", threshold=2.0)
     loss, _ = decoupled_ppo_loss(
-        prox.clone(),
-        prox,
-        behav,
-        torch.ones(4),
-        out.loss_mask,
-        num_global_tokens,
-        behaviour_weights=out.behaviour_weights,
+        LossInputs(
+            logprobs=prox.clone(),
+            proximal_logprobs=prox,
+            behaviour_logprobs=behav,
+            advantages=torch.ones(4),
+            loss_mask=out.loss_mask,
+            num_global_tokens=num_global_tokens,
+            behaviour_weights=out.behaviour_weights,
+        )
     )
     # L = -(1 + 1 + 0 + 1) / 4 = -0.75, not -(1 + 1 + 1) / 3 = -1 (re-normalised survivors)
     torch.testing.assert_close(loss, torch.tensor(-0.75))

@@ -11,6 +11,7 @@ from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.rl.batching import pack_sequences
 from sluice.engines.rl.loss import make_policy_loss
+from sluice.engines.rl.loss_inputs import LossInputs
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
@@ -139,7 +140,16 @@ def test_a_masked_token_gets_exactly_zero_gradient_in_the_loss():
     same = logprobs.detach().clone()
     advantages = torch.tensor([1.0, 4.0, -3.0])
     mask = torch.tensor([True, False, True])
-    loss, _ = make_policy_loss()(logprobs, same, same, advantages, mask, 2)
+    loss, _ = make_policy_loss()(
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=same,
+            behaviour_logprobs=same,
+            advantages=advantages,
+            loss_mask=mask,
+            num_global_tokens=2,
+        )
+    )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-(1.0 - 3.0) / 2)
     torch.testing.assert_close(logprobs.grad, torch.tensor([-0.5, 0.0, 1.5]))
@@ -162,14 +172,16 @@ def test_observation_tokens_get_zero_gradient_through_the_trainer(tiny_dir):
     batch = trainer.make_batch([TrainingSample(prompt, response, behaviour, 1.0, mask)])
     packed = pack_sequences(batch.sequences)
     logits = trainer._logits(packed).detach().requires_grad_(True)
-    logprobs = trainer._packed_logprobs(batch, [0], packed, logits=logits)
+    logprobs = trainer.packed_logprobs(batch, [0], packed, logits=logits)
     loss, _ = trainer.loss_fn(
-        logprobs,
-        logprobs.detach(),
-        batch.behaviour_logprobs,
-        batch.advantages,
-        batch.loss_mask,
-        int(batch.loss_mask.sum()),
+        LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=logprobs.detach(),
+            behaviour_logprobs=batch.behaviour_logprobs,
+            advantages=batch.advantages,
+            loss_mask=batch.loss_mask,
+            num_global_tokens=int(batch.loss_mask.sum()),
+        )
     )
     loss.backward()
     # Response token t sits at position len(prompt) + t; the logits before it predict it.

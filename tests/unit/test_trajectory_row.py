@@ -1,4 +1,4 @@
-"""The typed trajectory row (engines/rl/trajectory.py): the version span it derives, an
+"""The typed trajectory row (engines/trajectory.py): the version span it derives, an
 empty response, the episode columns, its agreement with the Arrow schema, and the table
 the rollout role's rows become."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from sluice.engines import trajectory
 from sluice.engines.env.episodes import Episode, TurnRecord
-from sluice.engines.rl import trajectory
 from sluice.engines.rl.samples import group_rows, version_span
-from sluice.engines.rl.trajectory import (
+from sluice.engines.trajectory import (
     EPISODE_COLUMNS,
     PROMPT_COLUMNS,
     TrajectoryRow,
