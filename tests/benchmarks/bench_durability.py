@@ -10,6 +10,9 @@ Arms, each a real run of the same config for the same wall time (`--seconds`,
   only: the "after";
 - ``async N=K slow storage``: as ``async N=K``, with every checkpoint file sleeping
   `--slow-s` on its way to storage (the ``checkpoint.put_file`` failpoint);
+- ``async N=K all cores``: as ``async N=K`` with every role on all the cores
+  (`threads_per_role` = the core count, OpenMP's waiting threads passive): the trainer
+  and the server share the cores through the scheduler instead of half each;
 - ``control (no publish)``: the trainer publishes nothing (`trainer.publish_every` past
   the run, eta past it too, so the rollout never waits): its steps are the training
   compute alone.
@@ -58,6 +61,13 @@ def arms(every: int) -> dict[str, tuple[str, dict[str, Any], bool]]:
         f"async N={every}": ("async", {"checkpoint.every_versions": every}, False),
         f"sync N={every}": ("sync", {"checkpoint.every_versions": every}, False),
         f"async N={every} slow storage": ("async", {"checkpoint.every_versions": every}, True),
+        # Every role with all the cores (async trains on half of them by default): the
+        # trainer and the server share them by the scheduler, idle threads not spinning.
+        f"async N={every} all cores": (
+            "async",
+            {"checkpoint.every_versions": every, "threads_per_role": os.cpu_count() or 1},
+            False,
+        ),
         "control (no publish)": (
             "async",
             {"trainer.publish_every": 100000, "staleness.max_staleness": 1000},
@@ -135,8 +145,11 @@ def run_arm(base: Any, label: str, mode: str, settings: dict[str, Any], slow: bo
         os.environ[ENV] = str(plan)
     else:
         os.environ.pop(ENV, None)
+    if "all cores" in label:  # OpenMP threads that wait sleep rather than spin
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     started = time.monotonic()
     (train if mode == "async" else train_sync)(config, run_id=name)
+    os.environ.pop("OMP_WAIT_POLICY", None)
     wall_s = time.monotonic() - started
     os.environ.pop(ENV, None)
     lines = [json.loads(x) for x in metrics_file(config, name).read_text().splitlines()]
