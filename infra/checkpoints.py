@@ -27,6 +27,7 @@ checkpoint that looks whole with files missing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -104,6 +105,13 @@ class ForeignCheckpoint(CheckpointError):
     """A registered version names a checkpoint outside the run's own checkpoints."""
 
 
+@functools.lru_cache(maxsize=64)
+def _canonical_root(root: str, options_json: str, cwd: str) -> str:
+    """`root` made canonical, once per root, options and working directory: every read of
+    a run's registry checks its version's source against it."""
+    return canonical_url(root, json.loads(options_json)).rstrip("/") + "/"
+
+
 def check_source_within(
     source: str, root: str, storage_options: Mapping[str, Any] | None = None
 ) -> str:
@@ -115,7 +123,8 @@ def check_source_within(
     The part under `root` must be plain names: no '..', '.', empty part, '::' (an fsspec
     chain) or backslash, so neither the OS nor fsspec can resolve it elsewhere.
     """
-    base = canonical_url(root, storage_options).rstrip("/") + "/"
+    options = json.dumps(dict(storage_options or {}), sort_keys=True, default=str)
+    base = _canonical_root(root, options, os.getcwd())
     rest = source[len(base) :].rstrip("/") if source.startswith(base) else ""
     if not rest or "::" in rest or unsafe_name(rest):
         raise ForeignCheckpoint(

@@ -170,16 +170,30 @@ def restore_secrets(shown: Mapping[str, Any], real: Mapping[str, Any]) -> dict[s
     return merge(copy.deepcopy(dict(shown)), real)
 
 
-def write_private_json(path: Path, payload: Any) -> Path:
-    """Write `payload` as JSON to `path`, readable by this user only (0600), whole or
-    not at all (a temp file created 0600, then renamed)."""
+def private_partial(path: Path, data: bytes) -> Path:
+    """A new sibling of `path` holding `data`, readable by this user only (0600 from its
+    first byte, never opened through a link) and synced: the caller renames or links it
+    into place, and removes it if that fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(descriptor, "w") as handle:
-            json.dump(payload, handle, indent=2)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.chmod(temp, 0o600)  # whatever the umask
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
+
+
+def write_private_json(path: Path, payload: Any) -> Path:
+    """Write `payload` as JSON to `path`, readable by this user only (0600), whole or
+    not at all (`private_partial`, then renamed)."""
+    temp = private_partial(path, json.dumps(payload, indent=2).encode())
+    try:
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)

@@ -36,8 +36,9 @@ class WireError(ValueError):
     """A value or frame outside what the protocol carries."""
 
 
-def encode(value, depth=0, budget=None):
-    """`value` as JSON-ready data (WireError past a bound or for another type)."""
+def _spend(budget, depth):
+    """One more part of a value at `depth` (a fresh budget when None): WireError past
+    the bounds."""
     if budget is None:
         budget = [MAX_NODES]
     budget[0] -= 1
@@ -45,6 +46,12 @@ def encode(value, depth=0, budget=None):
         raise WireError(f"value has more than {MAX_NODES} parts")
     if depth > MAX_DEPTH:
         raise WireError(f"value nested deeper than {MAX_DEPTH}")
+    return budget
+
+
+def encode(value, depth=0, budget=None):
+    """`value` as JSON-ready data (WireError past a bound or for another type)."""
+    budget = _spend(budget, depth)
     kind = type(value)
     if value is None or kind is bool:
         return value
@@ -78,13 +85,7 @@ def encode(value, depth=0, budget=None):
 
 def decode(data, depth=0, budget=None):
     """Fresh builtin values from `encode`'s output (WireError for anything else)."""
-    if budget is None:
-        budget = [MAX_NODES]
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise WireError(f"value has more than {MAX_NODES} parts")
-    if depth > MAX_DEPTH:
-        raise WireError(f"value nested deeper than {MAX_DEPTH}")
+    budget = _spend(budget, depth)
     kind = type(data)
     if kind in _SCALARS:
         if kind is int and data.bit_length() > MAX_INT_BITS:

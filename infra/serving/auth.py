@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from sluice.infra.secrets import private_partial
+
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """The only routes answered without the token: liveness and Prometheus scrapes."""
 SIGNATURE_KEY = "signature"
@@ -139,16 +141,12 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
 def write_token_file(path: str | os.PathLike[str], token: str) -> Path:
     """Write `token` to `path` with mode 0600 from its first byte, replacing it whole."""
     where = Path(path)
-    where.parent.mkdir(parents=True, exist_ok=True)
-    partial = where.with_name(f".{where.name}.{os.getpid()}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    partial = private_partial(where, token.encode("ascii"))
     try:
-        os.write(fd, token.encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(partial, where)
+        os.replace(partial, where)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return where
 
 

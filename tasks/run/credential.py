@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.infra.config import RunConfig
+from sluice.infra.secrets import private_partial
 from sluice.infra.serving.auth import (
     CredentialError,
     read_token_file,
@@ -95,15 +96,7 @@ def verified_server_urls(config: RunConfig, run_id: str) -> list[str]:
 
 
 def _create_if_absent(path: Path, token: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.new")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, token.encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    partial = private_partial(path, token.encode("ascii"))
     try:
         os.link(partial, path)  # fails if another process was first: theirs stands
     except FileExistsError:
