@@ -222,13 +222,52 @@ def one_torch_thread() -> Iterator[None]:
 # ---------------------------------------------------------------- runs
 
 
+_EMPTY_MLFLOW_STORE: list[Path] = []  # one per test process, made on first use
+
+
+def empty_mlflow_store() -> Path:
+    """An empty sqlite MLflow store with its tables created, made once per test process.
+    Creating the tables runs MLflow's migrations (seconds, more on a loaded machine); a
+    copy (``copy_sqlite``) is a store MLflow opens as it would a fresh one it migrated."""
+    if not _EMPTY_MLFLOW_STORE:
+        import atexit
+        import shutil
+        import tempfile
+
+        from sluice.infra.tracking import get_client
+
+        folder = Path(tempfile.mkdtemp(prefix="sluice-empty-mlflow-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        get_client(f"sqlite:///{folder}/mlflow.db")
+        _EMPTY_MLFLOW_STORE.append(folder / "mlflow.db")
+    return _EMPTY_MLFLOW_STORE[0]
+
+
+def copy_sqlite(source: Path, destination: Path) -> None:
+    """A consistent copy of a sqlite database: through sqlite's backup API, which
+    includes what its write-ahead log holds (Sluice opens stores in WAL mode, so the
+    main file alone can be behind)."""
+    import sqlite3
+
+    with sqlite3.connect(source) as src, sqlite3.connect(destination) as dst:
+        src.backup(dst)
+    src.close()
+    dst.close()
+
+
 def local_run_settings(root: Path) -> dict[str, str]:
     """Config keys that keep every file of a run under `root`: the workdir, the streams
-    and checkpoints, and a sqlite MLflow store with its artifacts."""
+    and checkpoints, and a sqlite MLflow store with its artifacts. The store starts as a
+    copy of ``empty_mlflow_store()`` where `root` has none (a run that migrates its own
+    store on first use is tested by the CLI tests, which choose their own stores)."""
+    store = root / "mlflow.db"
+    if not store.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        copy_sqlite(empty_mlflow_store(), store)
     return {
         "workdir": str(root / "work"),
         "storage.url": f"file://{root}/store",
-        "tracking.uri": f"sqlite:///{root}/mlflow.db",
+        "tracking.uri": f"sqlite:///{store}",
         "tracking.artifact_location": str(root / "mlartifacts"),
     }
 

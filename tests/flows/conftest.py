@@ -38,10 +38,12 @@ def graded_verifier(tmp_path, monkeypatch):
 
 
 def tiny_run_overrides(tmp_path, **extra):
-    """A run small enough for a 2-core CI box: random tiny model, a few steps."""
+    """A run small enough for a 2-core CI box: random tiny model, a few steps. Every file
+    of it under `tmp_path` (``local_run_settings``); None leaves out where the run's
+    files go, for a caller that places them itself."""
     base = {
         "name": "t",
-        **local_run_settings(tmp_path),
+        **(local_run_settings(tmp_path) if tmp_path is not None else {}),
         "model.warm_start": "false",
         "model.tiny.hidden_size": "32",
         "model.tiny.num_layers": "1",

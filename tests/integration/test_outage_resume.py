@@ -34,12 +34,13 @@ def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tm
         overrides = soak_overrides(tmp_path, s3, mlflow, STEPS)
         storage = {
             "client_kwargs": s3.options()["client_kwargs"],
-            # Give up on a hung endpoint in a minute, not many: the test waits for it.
-            # Not much less: on a loaded CI box moto itself can take seconds to answer.
+            # Give up on a hung endpoint in half a minute, not many: the test waits for
+            # it. s3fs tries a call 5 times, so one attempt of 5 s each in botocore. Not
+            # much less: on a loaded CI box moto itself can take seconds to answer.
             "config_kwargs": {
                 "connect_timeout": 5,
                 "read_timeout": 5,
-                "retries": {"max_attempts": 2},
+                "retries": {"total_max_attempts": 1},
             },
         }
         overrides = [

@@ -172,9 +172,7 @@ def soak_overrides(
         "role_retries": 1000,
         "servers.weight_transfer": weight_transfer,
     }
-    placement = ("workdir=", "storage.", "tracking.")
-    tiny = [o for o in tiny_run_overrides(root, **{}) if not o.startswith(placement)]
-    return [*tiny, *(f"{k}={v}" for k, v in settings.items())]
+    return [*tiny_run_overrides(None), *(f"{k}={v}" for k, v in settings.items())]
 
 
 class Driver:

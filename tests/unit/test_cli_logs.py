@@ -106,7 +106,7 @@ def test_follow_prints_lines_as_they_are_appended_until_ctrl_c(local_run_config,
             [*command, f"workdir={run.workdir}"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1"),
         )
     try:
         wait_for("train    | RuntimeError: boom")  # what the logs held: printed, then followed
@@ -115,8 +115,22 @@ def test_follow_prints_lines_as_they_are_appended_until_ctrl_c(local_run_config,
         wait_for("reward   | ")
         wait_for("train restarted")
     finally:
+        # Whether SIGINT reaches Python at all: a disposition inherited as ignored stays so.
+        dispositions = [
+            line
+            for line in Path(f"/proc/{follower.pid}/status").read_text().splitlines()
+            if line.startswith(("SigIgn", "SigCgt"))
+        ]
         follower.send_signal(signal.SIGINT)
-        code = follower.wait(timeout=30)
+        try:
+            code = follower.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # where it is stuck, from every thread's stack
+            follower.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER prints the stacks
+            follower.wait(timeout=30)
+            pytest.fail(
+                f"sluice logs -f still runs 30 s after SIGINT ({dispositions}):\n"
+                + printed()[-6000:]
+            )
     assert code == 0, printed()
     assert "reward   | " in printed() and "a role that started later" in printed()
     assert "Traceback" not in printed().split("train restarted")[-1]  # Ctrl-C ends it quietly
