@@ -53,7 +53,8 @@ from sluice.flows.model_cli import add_model_parser, run_model
 from sluice.flows.planner.args import add_plan_parser
 from sluice.flows.promote import add_promote_parser, run_promote
 from sluice.flows.run_dirs import resolve_run
-from sluice.infra.config import ConfigError, RunConfig, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig, load_config
 from sluice.infra.extras import check_extras
 
 QUIET_ENV = {

@@ -7,7 +7,9 @@ import argparse
 from typing import Any, get_args
 
 from sluice.flows.cli_common import add_config_args
-from sluice.infra.config import ConfigError, CorrectionConfig, RunConfig
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig
+from sluice.infra.config.trainer import CorrectionConfig
 
 BENCHMARKS = ["time-to-target", "async-vs-sync", "staleness", "mismatch", "determinism"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionConfig.model_fields["mode"].annotation)

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from sluice.infra.config import RunConfig
-from sluice.infra.run_modes import describe_mode
+from sluice.infra.config.run import RunConfig
+from sluice.infra.config.staleness import describe_mode
 from sluice.infra.secrets import redact_config
 from sluice.tasks.run.threads import role_threads
 

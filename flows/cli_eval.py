@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.flows.cli_common import fail
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 
 def run_eval(config: RunConfig, run_id: str, version: int | None = None) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from sluice.flows.cli_common import fail
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.paths import ROLES, run_paths
 from sluice.tasks.run.status import read_flow_status
 

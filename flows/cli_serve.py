@@ -3,7 +3,7 @@ process until it is stopped."""
 
 from __future__ import annotations
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 
 def run_serve(config: RunConfig) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.flows.cli_common import fail
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.paths import ROLES, run_paths
 from sluice.tasks.run.state_timer import OTHER

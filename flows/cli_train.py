@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from sluice.flows.cli_common import exit_code, fail, interruption
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 
 def mlflow_ui_command(tracking_uri: str) -> str:
     """The command that shows a run's MLflow metrics and registry in a browser (the UI's
-    web server alone: infra/tracking_config.py)."""
-    from sluice.infra.tracking_config import ui_command
+    web server alone: infra/config/tracking.py)."""
+    from sluice.infra.config.tracking import ui_command
 
     return ui_command(tracking_uri)
 

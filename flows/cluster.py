@@ -7,7 +7,7 @@ under that role's placement (`remote_options`). Each task then starts its role's
 process on the node Ray chose (tasks/process/supervisor.py, `run_role_on_node`).
 
 Three things must reach every node, and are checked before any role is placed:
-storage and the tracking server (config rules, infra/cluster_config.py) and the
+storage and the tracking server (config rules, infra/config/cluster.py) and the
 Prefect API the task runs report to. Without `PREFECT_API_URL` Prefect runs a
 temporary server inside the flow's process, on 127.0.0.1; a Ray worker that did not
 know its address would start a temporary server of its own and report there, so the
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from sluice.infra.cluster_config import url_scheme
-from sluice.infra.config import RunConfig
+from sluice.infra.config.cluster import url_scheme
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.process.ray_servers import server_placement
 from sluice.tasks.process.supervisor import RunStopped, how_to_continue
 

@@ -27,7 +27,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from sluice.flows.run_claim import flow_run_name
 from sluice.flows.run_secrets import take_secrets
-from sluice.infra.config import RunConfig, load_config
+from sluice.infra.config.run import RunConfig, load_config
+from sluice.infra.config.tracking import ui_command
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.secrets import redact_uri
 from sluice.infra.tracking import (
@@ -36,7 +37,6 @@ from sluice.infra.tracking import (
     log_config,
     start_or_resume_run,
 )
-from sluice.infra.tracking_config import ui_command
 from sluice.tasks.run.paths import registered_model_name, run_registry
 
 TABLE_ARTIFACT_KEY = "policy-evaluation"

@@ -24,8 +24,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from sluice.infra.config import ConfigError, RunConfig, load_config
-from sluice.infra.tracking_config import parse_target
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig, load_config
+from sluice.infra.config.tracking import parse_target
 
 if TYPE_CHECKING:
     from sluice.infra.model_line import PromotedVersion

@@ -14,7 +14,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from sluice.flows.train import train
-from sluice.infra.config import CONFIG_DIR, ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import CONFIG_DIR, load_config
 
 
 class ReproductionFailed(AssertionError):

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from sluice.flows.cluster import RayRoles
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.outages import outage_cause, within
 from sluice.tasks.process.launcher import close_launcher, warm_launcher
 from sluice.tasks.process.supervisor import RunStopped, forget_stop, run_role, stop_roles

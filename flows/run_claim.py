@@ -13,7 +13,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.secrets import write_private_json
 from sluice.infra.storage import exists
 from sluice.tasks.run.paths import filesystem, read_json, run_paths, write_json

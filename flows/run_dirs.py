@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sluice.infra.config import ConfigError, RunConfig, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig, load_config
 
 
 def resolve_run(

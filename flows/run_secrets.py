@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sluice.infra.config import ConfigError, RunConfig
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig
 from sluice.infra.secrets import (
     SECRETS_FILE,
     has_redactions,

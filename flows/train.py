@@ -36,9 +36,9 @@ from sluice.flows.run_claim import (
     write_resolved_config,
 )
 from sluice.flows.run_secrets import take_secrets
-from sluice.infra.config import RunConfig, load_config
+from sluice.infra.config.run import RunConfig, load_config
+from sluice.infra.config.staleness import describe_mode
 from sluice.infra.extras import check_extras
-from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.process.servers import planned_servers, serve_inference
 from sluice.tasks.run.control import RunControl

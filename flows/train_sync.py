@@ -29,7 +29,7 @@ from sluice.flows.run_claim import (
     write_resolved_config,
 )
 from sluice.flows.run_secrets import take_secrets
-from sluice.infra.config import RunConfig, load_config
+from sluice.infra.config.run import RunConfig, load_config
 from sluice.infra.extras import check_extras
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.run.credential import mint_run_token

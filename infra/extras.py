@@ -15,10 +15,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sluice.infra.config_overrides import ConfigError
+from sluice.infra.config.overrides import ConfigError
 
 if TYPE_CHECKING:
-    from sluice.infra.config import RunConfig
+    from sluice.infra.config.run import RunConfig
 
 INSTALL_COMMAND = 'pip install -c requirements.lock -e ".[{extra}]"'
 """How an extra is installed into the laptop/CI profile (docs/deployments.md)."""

@@ -38,10 +38,10 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from sluice.infra.checkpoints import CheckpointError, verify_checkpoint
+from sluice.infra.config.tracking import PromotionTarget
 from sluice.infra.policy_version import TAG_CHECKPOINT_DIGEST, TAG_KEEP, CommittedVersion
 from sluice.infra.registry import CheckpointRegistry, RegistryError
 from sluice.infra.tracking import get_client
-from sluice.infra.tracking_config import PromotionTarget
 
 TAG_SOURCE_RUN = "sluice.source_run"
 """The Sluice run a line's version was promoted from."""

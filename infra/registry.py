@@ -58,6 +58,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from sluice.infra.checkpoints import canonical_url, verify_checkpoint
+from sluice.infra.config.tracking import DEFAULT_ALIAS, MLFLOW_RESERVED_ALIAS
 from sluice.infra.failpoints import failpoint
 from sluice.infra.policy_version import (
     DURABLE,
@@ -80,7 +81,6 @@ from sluice.infra.policy_version import (
 )
 from sluice.infra.registry_reads import PAGE_SIZE, list_versions, read_version
 from sluice.infra.tracking import get_client
-from sluice.infra.tracking_config import DEFAULT_ALIAS, MLFLOW_RESERVED_ALIAS
 
 LEGACY_ALIAS = "sluice-latest"
 """The run's alias as stored while the default alias was ``latest`` (MLflow reserves it)."""

@@ -17,7 +17,7 @@ MLflow's UI as a trainer expects it: experiments are tagged ``mlflow.experimentK
 custom_model_development`` (the UI's "Machine learning" kind), and printed links open the
 machine-learning view (``?workflowType=machine_learning``: MLflow 3.17's UI picks its view
 from that or its remembered sidebar switch, else GenAI, where runs show as "evaluation
-runs"). ``ui_command`` (infra/tracking_config.py) starts the UI's web server alone, without MLflow 3's job runners.
+runs"). ``ui_command`` (infra/config/tracking.py) starts the UI's web server alone, without MLflow 3's job runners.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def run_ui_url(tracking_uri: str, run_id: str) -> str:
     the UI's machine-learning view (module notes).
 
     An HTTP tracking server serves its own UI; for a local store (sqlite, files) the base
-    is where `ui_command` (infra/tracking_config.py) listens.
+    is where `ui_command` (infra/config/tracking.py) listens.
     """
     shown = redact_uri(tracking_uri)  # a link people click and copy: no password in it
     base = shown if shown.startswith(("http://", "https://")) else _LOCAL_UI

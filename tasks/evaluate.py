@@ -36,7 +36,7 @@ from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.policy.model import resolve_device
 from sluice.engines.rl.evaluation import heldout_metrics
 from sluice.infra.checkpoints import CheckpointIncomplete
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.policy_version import TAG_EVAL_REWARD, CommittedVersion, eval_tag
 from sluice.infra.registry import CheckpointRegistry, RegistryError
 from sluice.infra.tracking import log_metrics

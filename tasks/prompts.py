@@ -23,8 +23,8 @@ from sluice.engines.env.problems.dataset import DatasetProblem
 from sluice.engines.env.problems.registry import get_problem
 from sluice.engines.policy.model_dir import ModelDirError, declared_end_token_ids
 from sluice.engines.policy.warmstart import IGNORE_INDEX
-from sluice.infra.config import RunConfig
-from sluice.infra.problem_config import CurriculumStage, problem_options
+from sluice.infra.config.problem import CurriculumStage, problem_options
+from sluice.infra.config.run import RunConfig
 
 
 def build_problem(config: RunConfig) -> Problem:

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 from sluice.engines.inference.loading import resolve_dtype
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.checkpoints import save_checkpoint
+from sluice.infra.config.servers import weight_transfer_path
 from sluice.infra.failpoints import failpoint
 from sluice.infra.serving.auth import sign_document
 from sluice.infra.streams.names import ShardRef
-from sluice.infra.weight_transfer import weight_transfer_path
 from sluice.tasks.process.ray_servers import private_address
 from sluice.tasks.run.cadence import Decision, cadence_of, must_be_durable
 from sluice.tasks.run.credential import run_token

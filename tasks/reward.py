@@ -24,7 +24,7 @@ from sluice.engines.env import confinement
 from sluice.engines.env.verifiers import load_verifier, outcome_of
 from sluice.engines.rl.samples import score_table
 from sluice.infra.checkpoints import CheckpointIncomplete
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.streams.names import ShardRef
 from sluice.tasks.call_pool import CallPool
 from sluice.tasks.prompts import load_policy_tokenizer

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from sluice.infra.checkpoints import CheckpointIncomplete
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.outages import EXIT_OUTAGE, describe, outage_cause
 from sluice.infra.streams.errors import CorruptShardError
 from sluice.infra.streams.names import ShardRef

@@ -35,7 +35,8 @@ from sluice.engines.rl.lineage import LostAfter
 from sluice.engines.rl.staleness import StalenessGate
 from sluice.engines.trajectory import POLICY_INCARNATION, TrajectoryRow
 from sluice.infra.checkpoints import CheckpointIncomplete
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
+from sluice.infra.config.servers import servers_on_gpu, weight_transfer_path
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving import protocol
 from sluice.infra.serving.client import (
@@ -43,7 +44,6 @@ from sluice.infra.serving.client import (
     InferenceServerUnreachableError,
 )
 from sluice.infra.streams.schema import table_from_rows
-from sluice.infra.weight_transfer import servers_on_gpu, weight_transfer_path
 from sluice.tasks.process.inference_server import EmbeddedServer, embedded_server, run_client
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource

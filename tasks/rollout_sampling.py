@@ -14,7 +14,7 @@ from sluice.engines.env.episodes import EpisodeSpec, Generate, run_group
 from sluice.engines.rl.groups import sample_seed
 from sluice.engines.rl.samples import group_rows
 from sluice.engines.trajectory import TrajectoryRow
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.serving.client import InferenceClient
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.tool_runner import Shaping, ToolBox

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.serving.auth import (
     CredentialError,
     bearer_headers,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sluice.engines.policy.adapter import BASE_REFERENCE_FILE
 from sluice.infra.checkpoints import read_manifest
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving.client import InferenceClient, InferenceServerUnreachableError
 from sluice.infra.serving.versions import label_identity, update_label

@@ -29,7 +29,7 @@ from sluice.engines.rl.samples import (
     staleness_stats,
 )
 from sluice.engines.rl.trainer_files import ADAPTER_DIR
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.process.ray_ranks import RankStart
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.run.cadence import cadence_of, must_be_durable

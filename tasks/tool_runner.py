@@ -36,7 +36,7 @@ from sluice.engines.env.tools import (
     python_tool,
     route_call,
 )
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.call_pool import CallPool
 
 log = logging.getLogger("sluice.tools")

@@ -29,7 +29,7 @@ from typing import Any
 
 from sluice.engines.rl.trainer import StepGuard
 from sluice.engines.rl.watchdog import Firing, MismatchWatchdog, blocking, signal_rule
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import get_metric_history
 
 log = logging.getLogger("sluice.train")

@@ -30,7 +30,7 @@ from sluice.engines.rl.reward_shaping import overlong_penalty
 from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.infra.checkpoints import canonical_url, save_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.failpoints import failpoint
 from sluice.infra.lease import StorageLease
 from sluice.infra.registry import CommittedVersion

@@ -34,7 +34,7 @@ import pytest
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from sluice.infra.config import RunConfig
+    from sluice.infra.config.run import RunConfig
 
 os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -278,7 +278,7 @@ def local_run_config() -> Callable[..., RunConfig]:
     file under `root` (``local_run_settings``), then `overrides` ("key=value")."""
 
     def make(root: Path, *overrides: str) -> RunConfig:
-        from sluice.infra.config import load_config
+        from sluice.infra.config.run import load_config
 
         settings = [f"{key}={value}" for key, value in local_run_settings(root).items()]
         return load_config(None, [*settings, *overrides])

@@ -86,7 +86,7 @@ def decoupled_ppo_loss(
             ``dual_clip_c * |A|``; None disables it. Must exceed 1.
 
         The bounds are checked once, where the user sets them: the ``trainer.loss``
-        config (``sluice.infra.trainer_config.LossConfig``), not on every micro-batch.
+        config (``sluice.infra.config.trainer.LossConfig``), not on every micro-batch.
         decoupled: True uses π_prox as the trust-region anchor with behaviour weight
             π_prox/π_behav; False is standard PPO with π_old = π_behav (u = π_θ/π_behav,
             w = 1), for which no proximal forward pass is needed.

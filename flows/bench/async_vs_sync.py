@@ -38,7 +38,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from sluice.infra.config import ConfigError, RunConfig
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import (
     end_run,
     get_metric_history,

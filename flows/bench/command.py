@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from sluice.infra.config import ConfigError, RunConfig
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig
 
 
 def run_bench(args: argparse.Namespace, config: RunConfig) -> int:

@@ -41,7 +41,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from sluice.infra.checkpoints import read_manifest
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import get_metric_history
 from sluice.tasks.run.paths import run_registry
 from sluice.tasks.run.threads import role_threads

@@ -48,7 +48,7 @@ from sluice.flows.bench.study_stats import (
     staleness_table,
     summarise,
 )
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import get_metric_history
 
 # Bench-sized defaults, overridable by --set: the async-vs-sync step count, held-out

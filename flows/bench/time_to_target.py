@@ -53,7 +53,7 @@ from sluice.flows.bench.study_stats import (
     TIME_TO_TARGET_DEFAULT,
     mean_std,
 )
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import get_metric_history
 
 EVAL_TIMES: tuple[float, ...] = (

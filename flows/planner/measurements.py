@@ -20,7 +20,7 @@ from typing import Any
 
 from sluice.engines.inference.profile import StepProfile
 from sluice.engines.planner.calibrate import RunMeasurements, TrainStep
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import get_metric_history
 from sluice.tasks.run.paths import ROLLOUTS, run_paths, run_registry

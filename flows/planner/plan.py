@@ -37,7 +37,8 @@ from sluice.engines.planner.costs import CostModel, Layout, Workload
 from sluice.engines.planner.search import Candidate, async_layouts, recommend, sweep
 from sluice.engines.planner.simulate import simulate
 from sluice.flows.planner.args import DEFAULT_ETAS
-from sluice.infra.config import ConfigError, RunConfig
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig
 
 PLOT_ARTIFACT = "plots/plan.png"
 

@@ -28,7 +28,7 @@ from sluice.engines.planner.calibrate import (
 from sluice.engines.planner.simulate import SimResult, simulate
 from sluice.flows.bench.async_vs_sync import label_slug, run_shape, with_settings
 from sluice.flows.planner.published import table_b
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 PREDICT_STEPS = 40
 

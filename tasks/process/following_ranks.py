@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RankStart, RayRanks
 from sluice.tasks.process.trainer_factory import build_rank_trainer

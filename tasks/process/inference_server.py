@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.docker_servers import SLUICE_IMAGE, ServerSpec
 from sluice.infra.serving.client import InferenceClient
 from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.tasks.process.ports import free_port
 

@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sluice.infra.cluster_config import RolePlacement
-from sluice.infra.config import RunConfig
+from sluice.infra.config.cluster import RolePlacement
+from sluice.infra.config.run import RunConfig
 from sluice.infra.docker_servers import ServerLaunchError, healthy
 from sluice.infra.registry import CommittedVersion
 from sluice.tasks.process.inference_server import server_spec

@@ -22,7 +22,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.docker_servers import ServerContainers, ServerSpec, remove_run_servers
 from sluice.tasks.process.inference_server import server_spec
 from sluice.tasks.process.ports import free_port

@@ -30,7 +30,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.outages import EXIT_OUTAGE, probe_storage, probe_tracking
 from sluice.infra.secrets import redact_text, redact_uri, write_private_json
 from sluice.tasks.process.launcher import PYTHON, close_launcher, start_role

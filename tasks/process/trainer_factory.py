@@ -15,7 +15,7 @@ from sluice.engines.rl.loss import make_policy_loss
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.train_batch import TrainerSettings
 from sluice.engines.rl.trainer import PolicyTrainer
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 
 def trainer_settings(config: RunConfig) -> TrainerSettings:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.process.launcher import working_directory_last
 from sluice.tasks.run.logs import configure_logging
 from sluice.tasks.run.paths import ROLES

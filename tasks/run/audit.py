@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from sluice.engines.rl.groups import group_index_of
 from sluice.engines.rl.lineage import lost_groups
 from sluice.infra.checkpoints import CheckpointError, verify_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.streams.reader import StreamReader
 from sluice.tasks.run.paths import ROLLOUTS, SCORED, run_paths, run_registry
 from sluice.tasks.run.versions import lost_versions, read_consumed

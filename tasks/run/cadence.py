@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.eval_schedule import should_evaluate
 
 log = logging.getLogger("sluice.train")

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.paths import RunPaths, filesystem, read_json, write_json
 
 log = logging.getLogger("sluice")

@@ -23,7 +23,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.secrets import private_partial
 from sluice.infra.serving.auth import (
     CredentialError,

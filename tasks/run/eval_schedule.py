@@ -8,7 +8,7 @@ checkpoints until they are scored. Importing it loads no inference engine and no
 
 from __future__ import annotations
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 
 def should_evaluate(version: int, config: RunConfig) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.paths import read_json, run_paths, write_json
 
 FAILOVERS_FILE = "failovers.json"

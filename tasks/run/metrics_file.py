@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import log_metrics, loggable
 
 METRICS_FILE = "metrics.jsonl"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.storage import open_filesystem, put_atomic
 
 if TYPE_CHECKING:

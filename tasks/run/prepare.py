@@ -33,7 +33,7 @@ from sluice.engines.policy.supervised import supervised_pass
 from sluice.engines.policy.warm_checks import EpisodeCheck
 from sluice.engines.policy.warmstart import warm_start
 from sluice.infra.checkpoints import save_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.tracking import log_metrics
 from sluice.tasks.prompts import (
     PromptSource,

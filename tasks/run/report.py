@@ -21,9 +21,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
+from sluice.infra.config.staleness import describe_mode
+from sluice.infra.config.tracking import ui_command
 from sluice.infra.policy_version import TAG_EVAL_REWARD, eval_tag
-from sluice.infra.run_modes import describe_mode
 from sluice.infra.tracking import (
     end_run,
     get_metric_history,
@@ -31,7 +32,6 @@ from sluice.infra.tracking import (
     log_figure_png,
     run_ui_url,
 )
-from sluice.infra.tracking_config import ui_command
 from sluice.tasks.run.failovers import failover_summary, read_failovers
 from sluice.tasks.run.paths import registered_model_name, run_paths, run_registry
 from sluice.tasks.run.status import read_statuses

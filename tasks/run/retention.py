@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 
 from sluice.infra.checkpoints import canonical_url, delete_checkpoint, open_checkpoint_fs
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.policy_version import PENDING, TAG_EVAL_REWARD, CommittedVersion
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.storage import list_names

@@ -10,7 +10,7 @@ import socket
 import time
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.process_stats import peak_rss_mb
 from sluice.tasks.run.paths import ROLES, RunPaths, read_json, write_json
 

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 
 
 class Background:

@@ -58,7 +58,7 @@ from sluice.infra.checkpoints import (
     open_checkpoint_fs,
     read_manifest,
 )
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.registry import CheckpointRegistry, CommittedVersion
 from sluice.infra.storage import exists, put_atomic, replace_directory, staging_directory
 from sluice.tasks.run.paths import RunPaths, read_json

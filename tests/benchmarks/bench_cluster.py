@@ -67,7 +67,7 @@ def main() -> None:
         os.environ.setdefault(name, value)
     from prefect import flow
 
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
 
     root = tempfile.mkdtemp(prefix="sluice-bench-cluster-")
     os.chdir(root)

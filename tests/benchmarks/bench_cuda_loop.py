@@ -34,7 +34,7 @@ from pathlib import Path
 
 
 def plan(config_name: str, model_dir: str, out: str, steps: int, overrides: list[str]) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.process.trainer_factory import trainer_settings
     from sluice.tasks.prompts import PromptSource
 

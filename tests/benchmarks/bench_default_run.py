@@ -71,7 +71,7 @@ def score_after(
     versions committed within `within_s` of the start, and a line per version (commit
     time since the command started, reward, greedy, length)."""
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.evaluate import evaluate_checkpoint
     from sluice.tasks.run.paths import run_registry
 
@@ -121,7 +121,7 @@ def run_train(command: list[str], workdir: Path, what: str) -> tuple[float, floa
 def role_figures(workdir: Path) -> list[str]:
     """Peak memory, throughput and pace from the run's status documents."""
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 

@@ -226,7 +226,7 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
 
     settings = {**SMALL_BATCH, "trainer.time_budget_s": args.seconds}
     overrides = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in settings.items()]

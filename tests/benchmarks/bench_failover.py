@@ -61,7 +61,7 @@ def start_s3() -> tuple[object, object]:
 
 
 def one_failover(root: Path, s3: object, mlflow: object, steps: int, kill_at: int) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.audit import audit_run
     from sluice.tasks.run.failovers import failover_summary, read_failovers
     from sluice.tasks.run.paths import run_paths, run_registry

@@ -48,7 +48,7 @@ def figures(workdir: Path) -> dict[str, Any]:
     """What the run's status documents and storage say once it ended."""
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.checkpoints import read_manifest
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.paths import run_paths, run_registry
     from sluice.tasks.run.status import read_statuses
 

@@ -490,7 +490,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The validated base config of every run; raises ConfigError with one line."""
-    from sluice.infra.config import ConfigError, load_config
+    from sluice.infra.config.overrides import ConfigError
+    from sluice.infra.config.run import load_config
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
@@ -524,7 +525,7 @@ def build_config(args: argparse.Namespace) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from sluice.flows.cli import QUIET_ENV
-    from sluice.infra.config import ConfigError
+    from sluice.infra.config.overrides import ConfigError
 
     try:
         config = build_config(args)

@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from sluice.engines.rl.train_batch import TrainingSample
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.process.trainer_factory import build_rank_trainer
 
     torch.set_num_threads(args.threads)

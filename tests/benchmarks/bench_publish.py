@@ -110,7 +110,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
 
     from sluice.engines.inference.engine import InferenceEngine
     from sluice.engines.rl.train_batch import TrainingSample
-    from sluice.infra.config import RunConfig, load_config
+    from sluice.infra.config.run import RunConfig, load_config
     from sluice.tasks.training import build_trainer
 
     model = Path(params["model"])

@@ -71,7 +71,7 @@ def main() -> None:
 
     from sluice.engines.inference.engine import InferenceEngine
     from sluice.engines.inference.types import GenerationRequest, SamplingParams
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.prompts import PromptSource
 
     torch.set_num_threads(args.threads)

@@ -286,7 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """The validated config of every run and the scoring config; raises ConfigError."""
     from sluice.flows.bench.async_vs_sync import with_settings
-    from sluice.infra.config import ConfigError, load_config
+    from sluice.infra.config.overrides import ConfigError
+    from sluice.infra.config.run import load_config
 
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")

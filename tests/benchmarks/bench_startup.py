@@ -58,7 +58,7 @@ def main() -> None:
     from sluice.flows.bench.async_vs_sync import apply_bench_defaults, with_settings
     from sluice.flows.bench.studies import pin_initial_policy
     from sluice.flows.bench.time_to_target import TTT_DEFAULTS
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
         base = load_config("default")

@@ -67,7 +67,7 @@ def firings(
     """Every (step, signal) the watchdog logged, the train status's counts, and the
     course of the traced signals."""
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.tracking import get_metric_history
     from sluice.tasks.run.paths import run_paths, run_registry
     from sluice.tasks.run.status import read_statuses

@@ -299,7 +299,7 @@ def run_extras(workdir: Path) -> tuple[float, dict[str, Any]]:
     from mlflow.tracking import MlflowClient
 
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.tracking import get_metric_history
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses

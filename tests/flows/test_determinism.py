@@ -3,7 +3,7 @@
 import pytest
 
 from sluice.flows.bench.determinism import compare_histories, determinism_check, run_sync
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from tests.flows.conftest import tiny_run_overrides
 
 pytestmark = [pytest.mark.flows, pytest.mark.slow]

@@ -5,7 +5,7 @@ with one line instead of generating forever."""
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import get_metric_history

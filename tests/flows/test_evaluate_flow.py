@@ -7,7 +7,7 @@ a tiny model instead of a training run.
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.tracking import get_client, get_metric_history, start_or_resume_run
 from sluice.tasks.run.paths import registered_model_name

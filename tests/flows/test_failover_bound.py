@@ -10,7 +10,7 @@ import pytest
 from prefect.states import Crashed
 
 from sluice.flows.cluster import RayRoles, TrainerNodeLost
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.process.supervisor import RunStopped
 from sluice.tasks.run.failovers import read_failovers
 from tests.flows.conftest import tiny_run_overrides

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.streams.reader import StreamReader
 from sluice.tasks.run.paths import registered_model_name, run_paths

@@ -4,7 +4,7 @@ observations masked, and the run's metrics say so."""
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import get_metric_history
 from tests.conftest import local_run_settings

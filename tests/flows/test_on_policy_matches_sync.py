@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.run.metrics_file import metrics_file
 from sluice.tasks.run.paths import run_registry
 from tests.flows.conftest import tiny_run_overrides

@@ -8,7 +8,7 @@ import pytest
 
 from sluice.flows.cli import main
 from sluice.flows.planner.measurements import measure_run
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.tracking import get_client
 from sluice.tasks.run.metrics_file import metrics_file
 from tests.flows.conftest import flow_run_artifacts, tiny_run_overrides

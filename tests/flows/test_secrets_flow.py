@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.secrets import REDACTED
 from tests.conftest import local_run_settings
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.tasks.run.paths import registered_model_name, run_paths
 from sluice.tasks.run.status import read_statuses

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.tracking import get_client
 from tests.flows.conftest import tiny_run_overrides
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.tracking import get_metric_history

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.tracking import get_client
 from sluice.tasks.run.audit import audit_run
 from sluice.tasks.run.credential import token_path

@@ -55,7 +55,7 @@ STEP_PARTS = (
 def run_figures(workdir: Path) -> dict[str, Any]:
     """One run's figures (None where the run recorded nothing)."""
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.tracking import get_client, get_metric_history
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses

@@ -164,7 +164,7 @@ def wait_until(predicate, timeout_s: float, what: str, train: Train) -> None:  #
 def test_roles_on_three_nodes_survive_a_lost_reward_node_and_fail_the_trainer_over(
     tmp_path: Path, moto_s3: S3Endpoint, mlflow_server: MlflowServer, cluster: RayCluster
 ) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.audit import audit_run
     from sluice.tasks.run.failovers import read_failovers
     from sluice.tasks.run.paths import run_paths
@@ -280,7 +280,7 @@ def test_two_trainer_ranks_train_on_two_nodes_sharing_only_storage(
     """Rank 1 on another node than rank 0 fetches the start version from S3 rather than
     read rank 0's directory, and (tensor parallel) sends its optimizer shard to rank 0 at
     each save, so the committed trainer state holds every shard."""
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.audit import audit_run
     from sluice.tasks.run.paths import filesystem, run_paths
     from sluice.tasks.run.status import read_statuses
@@ -353,7 +353,7 @@ def test_a_one_node_instance_is_started_for_the_run_not_joined_from_a_running_cl
     through /tmp/ray/ray_current_cluster). It runs on the temporary Prefect API a user
     gets without PREFECT_API_URL (the other two tests share the session's server), so
     the roles on Ray workers reporting to that API stays tested."""
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 

@@ -38,7 +38,7 @@ STEPS = 10
 
 AUDIT = """
 import json, sys
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.run.audit import audit_run
 from sluice.tasks.run.failovers import read_failovers
 from sluice.tasks.run.paths import run_paths
@@ -114,7 +114,7 @@ def fail_over(
     the container `victim` names (from the train role's status; by default the one it
     runs in) and start `spare`. Returns the run's output, the train role's status when
     the container was killed and the run's books (audit and failovers, read on the head)."""
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.paths import run_paths
     from sluice.tasks.run.status import read_statuses
 

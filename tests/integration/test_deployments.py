@@ -143,7 +143,7 @@ def test_deploy_all_creates_train_and_scheduled_reproduce(prefect_server):
 def test_a_docker_worker_runs_train_docker_to_completion_in_sluice_image(
     prefect_server, sluice_image, tmp_path
 ):
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.docker_servers import api_timeout_s
     from sluice.infra.registry import CheckpointRegistry
     from sluice.tasks.run.paths import registered_model_name

@@ -55,7 +55,7 @@ def test_containers_left_by_a_dead_owner_are_removed(sandbox) -> None:
 
 
 def test_auto_takes_containers_where_an_engine_answers(sandbox) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import DockerSandbox
     from sluice.tasks.reward import code_sandbox
 
@@ -93,7 +93,7 @@ def test_forged_verdicts_score_zero_in_containers(sandbox) -> None:
 
 
 def test_the_python_tool_runs_in_the_docker_sandbox_when_configured(sandbox) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import DockerSandbox
     from sluice.tasks.tool_runner import ToolBox
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.process.inference_server import EmbeddedServer
 
 pytestmark = pytest.mark.integration

@@ -74,7 +74,7 @@ def test_humaneval_scores_alike_in_containers(sandbox) -> None:
 
 @pytest.mark.docker
 def test_a_humaneval_run_takes_containers_where_an_engine_answers(sandbox) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import DockerSandbox
     from sluice.tasks.reward import code_sandbox
 

@@ -34,7 +34,7 @@ def group_members(pgid: int) -> list[str]:
 
 
 def test_sigterm_stops_the_run_in_one_line_leaves_no_process_and_resume_finishes(tmp_path):
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.audit import audit_run
 
     overrides = tiny_run_overrides(tmp_path, **{"trainer.total_steps": 1000})

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.failpoints import ENV
 from sluice.infra.tracking import start_or_resume_run
 from sluice.tasks.run.audit import audit_run

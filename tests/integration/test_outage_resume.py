@@ -22,7 +22,7 @@ OUTAGE_TIMEOUT_S = 6
 
 @pytest.mark.usefixtures("shared_prefect_api")  # three runs, one API
 def test_a_persistent_outage_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path) -> None:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.audit import audit_run
 
     os.environ.update(S3_ENV)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sluice.infra.checkpoints import save_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.docker_servers import healthy
 from sluice.infra.registry import CommittedVersion
 

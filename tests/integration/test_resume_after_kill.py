@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.tracking import start_or_resume_run
 from sluice.tasks.process.supervisor import role_command
 from sluice.tasks.run.audit import audit_run

@@ -195,7 +195,7 @@ def test_the_server_command_reads_its_token_from_a_0600_file_never_its_argv(
     with pytest.raises(CredentialError, match="must be 0600"):
         read_token_file(exposed)
 
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
 
     config = load_config(None, [f"workdir={tmp_path / 'work'}"])
     path = mint_run_token(config, RUN)

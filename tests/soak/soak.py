@@ -228,7 +228,7 @@ def run_soak(
     root: Path | None = None,
     weight_transfer: str = "auto",
 ) -> SoakResult:
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.audit import audit_run
 
     root = root or Path(tempfile.mkdtemp(prefix="sluice-soak-"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sluice.engines.rl import trainer_files
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.training import build_trainer
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from sluice.infra.config import ConfigError
+from sluice.infra.config.overrides import ConfigError
 from tests.benchmarks.bench_proximal import (
     ArmRun,
     arm_order,

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from sluice.infra.config import ConfigError
+from sluice.infra.config.overrides import ConfigError
 from tests.benchmarks.bench_recipe import RecipeRun, build_config, report_text, runs_table
 from tests.unit.test_adapter_versions import published  # noqa: F401, F811 (a fixture)
 
@@ -110,7 +110,7 @@ def test_a_lora_runs_adapters_are_scored_before_their_base_is_deleted(published,
     # Version 1 is an adapter over version 0; scoring v0 first and deleting it at once
     # would leave v1 nothing to merge onto (the failure this ordering fixes).
     from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.paths import run_registry
     from tests.benchmarks.bench_recipe import score_run
 

@@ -24,7 +24,7 @@ from sluice.engines.policy.model_dir import (
     declared_end_token_ids,
     has_chat_template,
 )
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.prompts import PromptSource
 from tests.unit.test_model_import import imported_smollm2
 

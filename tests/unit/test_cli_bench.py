@@ -6,7 +6,7 @@ import types
 import pytest
 
 from sluice.flows.cli import main, parse
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 
 
 def one_error_line(capsys) -> str:

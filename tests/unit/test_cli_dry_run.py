@@ -14,7 +14,7 @@ import yaml
 
 from sluice.flows.cli import main
 from sluice.flows.cli_dry_run import dry_run_report
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.run.threads import role_threads
 
 # SmolLM2-135M's config.json (the shape; the other keys do not enter the estimate).

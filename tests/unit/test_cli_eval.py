@@ -15,7 +15,7 @@ import pytest
 
 from sluice.flows.cli import main, resolve_run
 from sluice.infra.checkpoints import save_checkpoint
-from sluice.infra.config import RunConfig, load_config
+from sluice.infra.config.run import RunConfig, load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.tracking import get_client
 from sluice.tasks.run.paths import registered_model_name

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sluice.flows.cli import main
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.paths import run_paths
 from sluice.tasks.run.status import flow_reporter
 from tests.unit.test_cli_status import run_role_process, start_run

@@ -23,7 +23,7 @@ import pytest
 from sluice.flows import cli_status
 from sluice.flows.cli import main
 from sluice.flows.run_claim import write_resolved_config
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run import metrics_file
 from sluice.tasks.run.control import RunControl
 from sluice.tasks.run.metrics_file import METRICS_FILE, append_step
@@ -33,7 +33,7 @@ from sluice.tasks.run.status import StatusReporter, flow_reporter
 
 ROLE_PROCESS = """
 import json, logging, sys
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.logs import configure_logging
 from sluice.tasks.run.paths import run_paths
 from sluice.tasks.run.status import StatusReporter

@@ -14,7 +14,7 @@ from sluice.flows.bench.async_vs_sync import (
     ratio_table,
 )
 from sluice.flows.cli import main
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.process.ports import free_port
 
 

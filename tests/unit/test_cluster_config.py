@@ -16,9 +16,9 @@ from sluice.flows.cluster import (
     probe_address,
     worker_env,
 )
-from sluice.infra.cluster_config import ClusterConfig, RolePlacement, cluster_requirements
-from sluice.infra.config import load_config
-from sluice.infra.config_overrides import ConfigError
+from sluice.infra.config.cluster import ClusterConfig, RolePlacement, cluster_requirements
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
 
 CLUSTER = ["cluster.engine=ray", "cluster.address=head:6379"]
 

@@ -5,7 +5,10 @@ import sys
 
 import pytest
 
-from sluice.infra.config import CONFIG_DIR, ConfigError, RunConfig, load_config
+from sluice.infra.config.overrides import ConfigError
+
+# Shipped configs whose run starts with a supervised pass on the user's model: they load
+from sluice.infra.config.run import CONFIG_DIR, RunConfig, load_config
 
 # Shipped configs whose run starts with a supervised pass on the user's model: they load
 # only with model.path given.

@@ -1,8 +1,9 @@
 """Every config key is read by some code: a key nobody reads is a promise nobody keeps.
 
 A static walk: for each leaf of the `RunConfig` schema, the code outside
-`infra/config.py` must read it, as `.section.key`, as an alias of its section
-(`t = config.trainer` ... `t.key` in the same module), or by handing the whole section
+`infra/config/run.py` (`RunConfig` and its checks across sections) must read it, as
+`.section.key`, as an alias of its section (`t = config.trainer` ... `t.key` in the
+same module), or by handing the whole section
 to a function (`**config.trainer.loss.model_dump()`, which fails on a key the
 function does not take), which a section type may do itself for all its instances
 (`RolePlacement.ray_options` hands `self.model_dump()` to `ray.remote`).
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from sluice.infra.config import RunConfig
-from sluice.infra.config_overrides import REMOVED_KEYS, RENAMED_KEYS
+from sluice.infra.config.overrides import REMOVED_KEYS, RENAMED_KEYS
+from sluice.infra.config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("engines", "infra", "tasks", "flows")
@@ -73,7 +74,7 @@ def code_modules() -> list[str]:
         path.read_text()
         for folder in CODE_DIRS
         for path in sorted((ROOT / folder).rglob("*.py"))
-        if path != ROOT / "infra" / "config.py"
+        if path != ROOT / "infra" / "config" / "run.py"
     ]
 
 

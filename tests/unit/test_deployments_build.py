@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sluice.infra.config import RunConfig, load_config
+from sluice.infra.config.run import RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 # Nothing listens here: a deployment build that reached for an API would fail loudly.

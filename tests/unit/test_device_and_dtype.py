@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sluice.engines.policy.model import resolve_device
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.evaluate import evaluate_model_dir
 
 SHIPPED = (

@@ -16,7 +16,8 @@ def test_a_docker_sandbox_without_an_engine_says_how_to_start_one(tmp_path):
 
 
 def test_the_reward_sandbox_key_takes_auto_process_or_docker():
-    from sluice.infra.config import ConfigError, load_config
+    from sluice.infra.config.overrides import ConfigError
+    from sluice.infra.config.run import load_config
 
     assert load_config("default").reward.sandbox == "auto"
     assert load_config("default", ["reward.sandbox=docker"]).reward.sandbox == "docker"
@@ -27,7 +28,7 @@ def test_the_reward_sandbox_key_takes_auto_process_or_docker():
 def test_auto_falls_back_to_the_process_sandbox_and_docker_refuses_without_an_engine(
     tmp_path, monkeypatch, caplog
 ):
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import SandboxUnavailable
     from sluice.tasks.reward import code_sandbox
 
@@ -46,7 +47,7 @@ def test_the_python_tool_takes_the_code_verifiers_sandbox_choice(tmp_path, monke
     """`episode.tools: [python]` runs where `reward.sandbox` says, whatever the verifier:
     `docker` insists on an engine for the tool too; `process` keeps it in the process
     sandbox; a run without the python tool starts no sandbox for tools."""
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import SandboxUnavailable
     from sluice.tasks.reward import code_sandbox
     from sluice.tasks.tool_runner import ToolBox

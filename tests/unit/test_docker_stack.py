@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sluice.infra.config import ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
 
 DOCKER = Path(__file__).resolve().parents[2] / "infra" / "docker"
 SLUICE_COMMANDS = ("sluice", "sluice-serve")

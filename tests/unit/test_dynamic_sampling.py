@@ -11,7 +11,7 @@ import pytest
 
 from sluice.engines.rl.groups import GroupBuffer, group_index_of, group_key, informative
 from sluice.engines.rl.staleness import StalenessGate
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.infra.streams.writer import StreamWriter

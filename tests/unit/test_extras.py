@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sluice.flows.cli import main
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.infra.extras import check_extras, module_installed, needed_extras
 
 UNINSTALLED = {
@@ -152,7 +152,8 @@ import json, logging
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 from sluice.flows.train import train
 from sluice.flows.train_sync import train_sync
-from sluice.infra.config import ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
 from sluice.infra.docker_sandbox import SandboxUnavailable
 from sluice.tasks.reward import code_sandbox
 
@@ -225,7 +226,7 @@ def test_a_module_that_is_not_there_is_not_installed():
 def test_checking_the_extras_imports_none_of_their_packages(tmp_path):
     code = (
         "import sys\n"
-        "from sluice.infra.config import load_config\n"
+        "from sluice.infra.config.run import load_config\n"
         "from sluice.infra.extras import check_extras\n"
         f"check_extras(load_config('default', {EVERY_EXTRA_SETTING!r}))\n"
         "print('IMPORTED', sorted(m for m in sys.modules if m.split('.')[0] in "

@@ -21,9 +21,9 @@ from sluice.engines.env.problems.humaneval import (
 )
 from sluice.engines.env.problems.registry import get_problem
 from sluice.engines.env.verifiers import load_verifier, outcome_of
-from sluice.infra.config import load_config
-from sluice.infra.config_overrides import ConfigError
-from sluice.infra.problem_config import problem_options
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.problem import problem_options
+from sluice.infra.config.run import load_config
 
 # A mix: the first problem, one whose tests import modules and test with a seeded
 # random generator (32), one whose prompt defines a helper before the function (38),

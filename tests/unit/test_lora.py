@@ -135,8 +135,8 @@ def test_target_modules_the_model_lacks_and_a_rank_too_large_are_refused() -> No
 
 
 def test_lora_with_the_megatron_backend_is_refused_in_one_line() -> None:
-    from sluice.infra.config import load_config
-    from sluice.infra.config_overrides import ConfigError
+    from sluice.infra.config.overrides import ConfigError
+    from sluice.infra.config.run import load_config
 
     with pytest.raises(ConfigError, match="trainer.lora trains adapters with the torch backend"):
         load_config(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])

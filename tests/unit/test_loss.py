@@ -8,7 +8,7 @@ import torch
 from sluice.engines.rl.batching import dynamic_micro_batches
 from sluice.engines.rl.loss import decoupled_ppo_loss, make_policy_loss, merge_micro_batch_metrics
 from sluice.engines.rl.loss_inputs import LossInputs
-from sluice.infra.trainer_config import LossConfig
+from sluice.infra.config.trainer import LossConfig
 
 # Three tokens shared by the hand-worked cases:
 #   proximal log-probs      p = [-1.0, -2.0, -0.5]

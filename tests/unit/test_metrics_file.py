@@ -22,7 +22,7 @@ import pytest
 
 from sluice.engines.rl.groups import group_key
 from sluice.infra.checkpoints import save_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.streams.schema import table_from_rows
 from sluice.infra.streams.writer import StreamWriter
 from sluice.infra.system_metrics import start_system_metrics

@@ -4,7 +4,8 @@ is refused in one line that names what to change."""
 import pytest
 import torch
 
-from sluice.infra.config import ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
 from sluice.tasks.process.trainer_factory import trainer_settings
 from sluice.tasks.training import reward_shaping
 

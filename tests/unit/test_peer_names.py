@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from sluice.infra import peer_names
-from sluice.infra.config import RunConfig, load_config
-from sluice.infra.config_overrides import RENAMED_KEYS, ConfigError
-from sluice.infra.peer_names import PEER_NAMES, VERL_PATHS
+from sluice.infra.config import peer_names
+from sluice.infra.config.overrides import RENAMED_KEYS, ConfigError
+from sluice.infra.config.peer_names import PEER_NAMES, VERL_PATHS
+from sluice.infra.config.run import RunConfig, load_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

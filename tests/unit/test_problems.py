@@ -240,7 +240,7 @@ def test_prompts_too_long_for_the_context_are_passed_over_the_same_way_every_tim
 def test_a_curriculum_caps_the_size_of_each_steps_prompts_and_then_opens_the_mix(
     tmp_path, tiny_dir, local_run_config
 ):
-    from sluice.infra.config import ConfigError
+    from sluice.infra.config.overrides import ConfigError
     from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
 
     # longtail_sum rows carry num_terms; B = 2 groups a step, so steps 0-2 are groups
@@ -285,7 +285,7 @@ def test_a_curriculum_caps_the_size_of_each_steps_prompts_and_then_opens_the_mix
 def test_a_trained_step_curriculum_follows_the_answering_policy_and_min_terms_bounds_below(
     tmp_path, tiny_dir, local_run_config
 ):
-    from sluice.infra.config import ConfigError
+    from sluice.infra.config.overrides import ConfigError
     from sluice.tasks.prompts import PromptSource, load_policy_tokenizer
 
     # Stage 1 (versions 0-1): 2 terms at most; stage 2 (versions 2-3): 3 or 4 terms only.

@@ -17,7 +17,7 @@ import pytest
 from sluice.flows.cli import main
 from sluice.flows.promote import promote, promote_final
 from sluice.infra.checkpoints import save_checkpoint
-from sluice.infra.config import ConfigError
+from sluice.infra.config.overrides import ConfigError
 from sluice.infra.model_line import (
     TAG_SOURCE_MODEL_VERSION,
     TAG_SOURCE_POLICY_VERSION,

@@ -16,7 +16,7 @@ from sluice.engines.rl.prompt_sharing import (
 from sluice.engines.rl.rollout_correction import make_rollout_correction
 from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
-from sluice.infra.trainer_config import TrainerConfig
+from sluice.infra.config.trainer import TrainerConfig
 from tests.unit.test_free_proximal import assert_same_parameters
 from tests.unit.test_trainer import make_trainer
 

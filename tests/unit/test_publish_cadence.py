@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, verify_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.failpoints import ENV
 from sluice.infra.streams.reader import StreamReader
 from sluice.tasks.publisher import Publisher

@@ -24,7 +24,7 @@ from sluice.engines.rl.train_batch import TrainerSettings, TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.trainer_files import is_trainer_state_file
 from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, save_checkpoint
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.storage import open_filesystem
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows

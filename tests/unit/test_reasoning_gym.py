@@ -16,9 +16,9 @@ from sluice.engines.env.problems.base import split_of
 from sluice.engines.env.problems.reasoning_gym import ROW_KEY, ReasoningGymProblem
 from sluice.engines.env.problems.registry import get_problem
 from sluice.engines.env.verifiers import load_verifier, outcome_of
-from sluice.infra.config import load_config
-from sluice.infra.config_overrides import ConfigError
-from sluice.infra.problem_config import problem_options
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.problem import problem_options
+from sluice.infra.config.run import load_config
 
 # A small question space (two 1-digit terms: 100 sums, 100 differences), so a split
 # that were not disjoint by construction would share questions within a few hundred draws.

@@ -374,7 +374,7 @@ def test_experiments_are_marked_as_model_training_for_the_mlflow_ui(tracking_uri
 
 
 def test_ui_command_starts_the_ui_without_job_runners():
-    from sluice.infra.tracking_config import ui_command
+    from sluice.infra.config.tracking import ui_command
 
     assert ui_command("sqlite:///.sluice/mlflow.db") == (
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui "
@@ -470,7 +470,7 @@ def test_log_config_flattens_params_and_stores_the_resolved_yaml(tracking_uri, t
 
 
 def test_flatten_config_accepts_the_run_config_model():
-    from sluice.infra.config import RunConfig
+    from sluice.infra.config.run import RunConfig
 
     flat = flatten_config(RunConfig())
     assert flat["staleness.max_staleness"] == "4"

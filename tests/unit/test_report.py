@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from sluice.infra.checkpoints import save_checkpoint  # noqa: E402
-from sluice.infra.config import RunConfig  # noqa: E402
+from sluice.infra.config.run import RunConfig  # noqa: E402
 from sluice.infra.tracking import get_client, log_metrics, start_or_resume_run  # noqa: E402
 from sluice.tasks.run.paths import run_paths, run_registry  # noqa: E402
 from sluice.tasks.run.report import (  # noqa: E402

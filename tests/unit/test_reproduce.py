@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.infra.config import CONFIG_DIR, ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import CONFIG_DIR, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.versions import SavedVersion, read_consumed
 
 

@@ -34,7 +34,7 @@ from sluice.engines.rl.samples import (
     score_table,
     staleness_stats,
 )
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows

@@ -2,7 +2,7 @@
 
 import os
 
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.run.threads import role_threads
 
 

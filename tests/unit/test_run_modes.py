@@ -1,11 +1,12 @@
 """verl's modes by name: each sets η, publish_every and interruptibility as the table in
-infra/run_modes.py says, a key set explicitly still wins, and the run can say what it
+infra/config/staleness.py says, a key set explicitly still wins, and the run can say what it
 resolved."""
 
 import pytest
 
-from sluice.infra.config import ConfigError, RunConfig, load_config
-from sluice.infra.run_modes import MODES, describe_mode
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import RunConfig, load_config
+from sluice.infra.config.staleness import MODES, describe_mode
 
 
 def knobs(config):

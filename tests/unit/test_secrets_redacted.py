@@ -23,7 +23,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 from sluice.flows.cli import main  # noqa: E402
 from sluice.flows.run_claim import write_resolved_config  # noqa: E402
 from sluice.flows.run_secrets import hand_over, take_secrets  # noqa: E402
-from sluice.infra.config import ConfigError, RunConfig, load_config  # noqa: E402
+from sluice.infra.config.overrides import ConfigError  # noqa: E402
+from sluice.infra.config.run import RunConfig, load_config  # noqa: E402
 from sluice.infra.secrets import REDACTED, redact_config, redact_text  # noqa: E402
 from tests.conftest import local_run_settings  # noqa: E402
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.infra.config import ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
 from sluice.tasks.process.servers import server_mounts, server_specs
 
 

@@ -17,7 +17,7 @@ from sluice.engines.policy.shipped_policy import (
     prefix_fingerprint,
     verify,
 )
-from sluice.infra.config import load_config
+from sluice.infra.config.run import load_config
 from sluice.tasks.run.prepare import initial_policy_dir, shipped_policy_applies
 
 

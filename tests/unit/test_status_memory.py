@@ -10,7 +10,7 @@ import sys
 # this test allocates.
 SCRIPT = """
 import json, os, uuid
-from sluice.infra.config import RunConfig
+from sluice.infra.config.run import RunConfig
 from sluice.tasks.run.paths import run_paths
 from sluice.tasks.run.status import StatusReporter, read_statuses
 

@@ -18,7 +18,8 @@ from sluice.engines.policy.warmstart import (
     encode_supervised,
     response_token_loss_sum,
 )
-from sluice.infra.config import ConfigError, load_config
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.tracking import get_metric_history, start_or_resume_run
 from sluice.tasks.prompts import PromptSource, reference_examples

@@ -114,7 +114,7 @@ def test_without_sync_the_first_contender_is_the_baseline_and_the_cost_is_shown(
 
 def test_contenders_keeping_the_configs_eta_add_only_their_settings() -> None:
     from sluice.flows.bench.time_to_target import CONTENDERS, run_config
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
 
     base = load_config(None, ["staleness.max_staleness=3"])
     by_label = {c.label: c for c in CONTENDERS}
@@ -146,7 +146,7 @@ def test_a_scored_run_releases_every_checkpoint_and_marks_it_deleted(
     tmp_path: Path, tracking_uri: str
 ) -> None:
     from sluice.infra.checkpoints import save_checkpoint
-    from sluice.infra.config import load_config
+    from sluice.infra.config.run import load_config
     from sluice.tasks.run.paths import run_paths, run_registry
     from tests.unit.test_registry import make_hf_dir
 

@@ -3,9 +3,9 @@ the settings refused in one line."""
 
 import pytest
 
-from sluice.infra.config import load_config
-from sluice.infra.config_overrides import ConfigError
-from sluice.infra.weight_transfer import weight_transfer_path
+from sluice.infra.config.overrides import ConfigError
+from sluice.infra.config.run import load_config
+from sluice.infra.config.servers import weight_transfer_path
 
 
 def resolved(*overrides: str) -> str:

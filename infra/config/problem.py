@@ -1,6 +1,6 @@
-"""Config of the ``reasoning_gym`` and ``humaneval`` problem kinds
-(`problem.reasoning_gym`, `problem.humaneval`), beside `infra/config.py` so that module
-stays readable.
+"""The `problem` section: what the policy is asked to solve (`ProblemConfig`), with the
+settings of the ``reasoning_gym`` and ``humaneval`` problem kinds
+(`problem.reasoning_gym`, `problem.humaneval`) and the curriculum.
 
 Task names and settings are checked against reasoning-gym itself when the config is
 validated (imported only when tasks are named, about a second): an unknown task names
@@ -15,18 +15,11 @@ import dataclasses
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from sluice.infra.config.section import Section
 
 Extraction = Literal["answer_tags", "boxed", "last_number"]
-
-
-class Section(BaseModel):
-    """A config section: unknown keys are errors, assignments are validated, and each
-    field's docstring is its description (Prefect's UI and the docs show it)."""
-
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
 
 
 class ReasoningGymTask(Section):
@@ -62,9 +55,13 @@ class ReasoningGymConfig(Section):
     instruction: str = "Give the final answer inside <answer></answer> tags."
     """Text appended (after a blank line) to every question; say the format `extraction` reads. Empty: the question alone."""
     extraction: Extraction = "answer_tags"
-    """How the final answer is read from a response: `answer_tags` (the last `<answer>...</answer>`), `boxed` (the last `\\boxed{...}`) or `last_number`. A response without one scores `reward.incorrect_reward` and is counted as unparsed."""
+    """How the final answer is read from a response: `answer_tags` (the last
+    `<answer>...</answer>`), `boxed` (the last `\\boxed{...}`) or `last_number`. A response without
+    one scores `reward.incorrect_reward` and is counted as unparsed."""
     format_reward: float = Field(0.0, ge=0, le=1)
-    """Bonus added to the reward of a response whose answer is in the expected format, right or wrong: a little pull toward the format early on. 0 = off; keep it small next to `reward.correct_reward`."""
+    """Bonus added to the reward of a response whose answer is in the expected format, right or
+    wrong: a little pull toward the format early on. 0 = off; keep it small next to
+    `reward.correct_reward`."""
     dataset_seed: int = Field(0, ge=0)
     """Seed of every task's dataset: entry i is a function of the task, its settings, this seed and i."""
     dataset_size: int = Field(100_000, ge=1, le=10**9)
@@ -109,7 +106,9 @@ class CurriculumStage(Section):
     until_step: int = Field(ge=1)
     """The stage holds for the prompts of training steps before this one, counted as `problem.curriculum_clock` says."""
     max_terms: int = Field(ge=1)
-    """Largest problem size (a row's `num_terms`: the built-in `longtail_sum`, reasoning-gym's `chain_sum` and `basic_arithmetic`) a training prompt of this stage may have; larger ones are drawn again."""
+    """Largest problem size (a row's `num_terms`: the built-in `longtail_sum`, reasoning-gym's
+    `chain_sum` and `basic_arithmetic`) a training prompt of this stage may have; larger ones are
+    drawn again."""
     min_terms: int = Field(1, ge=1)
     """Smallest problem size a training prompt of this stage may have; smaller ones are drawn again (e.g. a stage of only the hard prompts once the small ones are learnt)."""
 
@@ -127,16 +126,58 @@ class HumanEvalConfig(Section):
     """HumanEval's 164 problems, scored by their unit tests (used when `problem.name` is `humaneval`)."""
 
     extraction: Literal["raw", "fenced"] = "raw"
-    """How the program is read from a response: `raw` (the response continues the function, cut at the first new top-level `def`/`class`/`if`/`print`/`#`, as in Chen et al. 2021: base models) or `fenced` (the first ```python block, a whole function or its body: chat models). A response with no program in that form, or one that is not Python, scores `reward.incorrect_reward` and is counted as unparsed."""
+    """How the program is read from a response: `raw` (the response continues the function, cut at
+    the first new top-level `def`/`class`/`if`/`print`/`#`, as in Chen et al. 2021: base models) or
+    `fenced` (the first ```python block, a whole function or its body: chat models). A response with
+    no program in that form, or one that is not Python, scores `reward.incorrect_reward` and is
+    counted as unparsed."""
     instruction: str | None = None
-    """Text before HumanEval's prompt (a blank line between). None = the extraction's own (`raw`: "Complete the following Python function."; `fenced` adds "Answer with the whole function in a ```python code block."); empty: HumanEval's prompt alone."""
+    """Text before HumanEval's prompt (a blank line between). None = the extraction's own (`raw`:
+    "Complete the following Python function."; `fenced` adds "Answer with the whole function in a
+    ```python code block."); empty: HumanEval's prompt alone."""
     test_fraction: float = Field(0.2, gt=0, lt=1)
     """Share of the 164 problems held out for evaluation (round(0.2 * 164) = 33), chosen by a hash of their task_id; the splits never share a problem."""
     split_seed: int = Field(0, ge=0)
     """Seed of the held-out choice: another seed holds out other problems."""
 
 
-def check_verifier(problem: Any, verifier: str) -> None:
+class ProblemConfig(Section):
+    """What the policy is asked to solve."""
+
+    name: str = "longtail_sum"
+    """Built-in task name, used when `dataset` is None: `longtail_sum`, `tool_arith`,
+    `reasoning_gym` (the tasks of `reasoning_gym`) or `humaneval` (HumanEval's 164 problems, scored
+    by `reward.verifier: code`)."""
+    dataset: str | None = None
+    """A .jsonl or .parquet file of rows with `prompt` and `answer` (extra columns reach the verifier)."""
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    """Tasks, mix, prompt instruction and answer format of `name: reasoning_gym` (docs/configuration.md)."""
+    humaneval: HumanEvalConfig = HumanEvalConfig()
+    """Extraction, instruction and held-out split of `name: humaneval` (docs/configuration.md)."""
+    curriculum: list[CurriculumStage] = []
+    """Training prompts from small problems first: stages in order of `until_step`, each bounding
+    the size of the training prompts drawn for its steps; after the last stage, the whole mix. The
+    held-out prompts are always the whole mix. Empty = no curriculum. (verl and TRL leave curricula
+    to the dataset; reasoning-gym ships per-task curricula of the same kind.)"""
+    curriculum_clock: Literal["issued", "trained"] = "issued"
+    """What a stage's `until_step` counts. `issued`: a group's issue number //
+    `trainer.prompts_per_batch`, the same prompts on every run of a seed. `trained`: the policy
+    version generating the group, i.e. trained steps, so a stage lasts as written even when dynamic
+    sampling draws several groups per kept one. The sync flow's step is both."""
+
+    @model_validator(mode="after")
+    def _reasoning_gym_tasks(self) -> ProblemConfig:
+        if self.name == "reasoning_gym" and not self.dataset and not self.reasoning_gym.tasks:
+            raise ValueError("problem.name=reasoning_gym needs problem.reasoning_gym.tasks")
+        steps = [stage.until_step for stage in self.curriculum]
+        if steps != sorted(set(steps)):
+            raise ValueError(
+                f"problem.curriculum: until_step must increase from stage to stage, got {steps}"
+            )
+        return self
+
+
+def check_verifier(problem: ProblemConfig, verifier: str) -> None:
     """Refuse, in one line, a built-in verifier that cannot score the problem
     `problem.name` names (a `ProblemConfig`): HumanEval's rows need one that runs code."""
     uses_humaneval = problem.name == "humaneval" and not problem.dataset
@@ -146,7 +187,7 @@ def check_verifier(problem: Any, verifier: str) -> None:
         )
 
 
-def problem_options(problem: Any) -> dict[str, Any]:
+def problem_options(problem: ProblemConfig) -> dict[str, Any]:
     """Keyword options of the problem `problem.name` names (a `ProblemConfig`), for
     `sluice.engines.env.problems.registry.get_problem`."""
     if problem.name == "reasoning_gym":

@@ -10,7 +10,7 @@ Two kinds of registered model (MLflow's named, versioned models):
   aliases such as ``champion`` that serving code loads as ``models:/NAME@ALIAS``.
 
 Pure: parsing a promotion target imports no MLflow, so the config still fails in
-milliseconds (infra/config.py).
+milliseconds (infra/config/run.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from pydantic import Field, field_validator
 
-from sluice.infra.problem_config import Section
+from sluice.infra.config.section import Section
 from sluice.infra.secrets import redact_uri
 
 DEFAULT_ALIAS = "newest"
@@ -81,11 +81,21 @@ class TrackingConfig(Section):
     registered_model: str = "sluice-policy"
     """Prefix of each run's own registered model, `{registered_model}-{run id}`: one model version per committed policy version."""
     alias: str = DEFAULT_ALIAS
-    """MLflow alias on the newest committed version of the run's registered model (`models:/{registered_model}-{run id}@newest`); it only moves forward, and the rollout side reloads weights when it moves. MLflow reserves `latest` and `v<N>`: such a name is stored as `sluice-<name>`. Runs from before `newest` was the default carry `sluice-latest`, which is read while `newest` is absent."""
+    """MLflow alias on the newest committed version of the run's registered model
+    (`models:/{registered_model}-{run id}@newest`); it only moves forward, and the rollout side
+    reloads weights when it moves. MLflow reserves `latest` and `v<N>`: such a name is stored as
+    `sluice-<name>`. Runs from before `newest` was the default carry `sluice-latest`, which is read
+    while `newest` is absent."""
     system_metrics_interval_s: float = Field(10.0, ge=0, le=3600)
-    """Seconds between samples of the training machine's CPU, memory, disk, network and GPU, logged to the MLflow run as `system/...` (MLflow's system metrics, infra/system_metrics.py). 10 s costs a 2-core machine nothing measurable; 0 = off."""
+    """Seconds between samples of the training machine's CPU, memory, disk, network and GPU, logged
+    to the MLflow run as `system/...` (MLflow's system metrics, infra/system_metrics.py). 10 s costs
+    a 2-core machine nothing measurable; 0 = off."""
     promote_final_to: str | None = None
-    """Registered model (MLflow's long-lived, versioned model, a "model line") into which the run's final committed version is promoted when the run ends: `NAME` adds a model version of NAME (created if missing), `NAME@ALIAS` also points MLflow alias ALIAS at it, e.g. `sluice-math@candidate`, loadable as `models:/sluice-math@candidate`. None = promote nothing (`sluice promote` does it by hand)."""
+    """Registered model (MLflow's long-lived, versioned model, a "model line") into which the run's
+    final committed version is promoted when the run ends: `NAME` adds a model version of NAME
+    (created if missing), `NAME@ALIAS` also points MLflow alias ALIAS at it, e.g.
+    `sluice-math@candidate`, loadable as `models:/sluice-math@candidate`. None = promote nothing
+    (`sluice promote` does it by hand)."""
 
     @field_validator("promote_final_to")
     @classmethod

@@ -1,4 +1,6 @@
-"""verl's fully-asynchronous modes by name (`mode:`), as presets of Sluice's own knobs.
+"""The `staleness` section (the bound on how far generation may run ahead of training) and
+verl's fully-asynchronous modes by name (`mode:`), presets of that bound and of Sluice's
+other asynchrony knobs.
 
 verl's fully-async recipe names four ways to run rollout and training apart by three
 settings: how many local trainer updates pass between two weight syncs
@@ -30,6 +32,18 @@ what the file says). `describe_mode` is the line a run logs with the values it r
 from __future__ import annotations
 
 from typing import Any, Literal
+
+from pydantic import Field
+
+from sluice.infra.config.section import Section
+
+
+class StalenessConfig(Section):
+    """The admission rule floor(n / B) <= i + eta (docs/design.md §1)."""
+
+    max_staleness: int = Field(4, ge=0, le=1000)
+    """eta: how many policy versions behind a trained batch may be. 0 = synchronous."""
+
 
 Mode = Literal["on_policy", "one_step_off", "stream", "stale", "partial"]
 

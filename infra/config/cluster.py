@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from sluice.infra.problem_config import Section
+from sluice.infra.config.section import Section
 
 LOCAL_TRACKING_SCHEMES = ("sqlite", "file", "")
 """MLflow tracking URIs that live on the flow's machine only."""
@@ -54,15 +54,27 @@ class ClusterConfig(Section):
     engine: Literal["local", "ray"] = "local"
     """`local`: every role is a process on the flow's machine. `ray`: each role's Prefect task runs on a Ray node chosen by its placement below (prefect-ray), and the role's process starts there."""
     address: str | None = None
-    """Ray cluster to join: `auto` (a cluster this machine is a node of), `HOST:6379` (its head's GCS), or `ray://HOST:10001` (Ray client). None = a one-node Ray instance started on this machine for the run (for trying the mode out; nothing spans machines)."""
+    """Ray cluster to join: `auto` (a cluster this machine is a node of), `HOST:6379` (its head's
+    GCS), or `ray://HOST:10001` (Ray client). None = a one-node Ray instance started on this machine
+    for the run (for trying the mode out; nothing spans machines)."""
     shared_filesystem: bool = False
-    """Declare that a `file://` `storage.url`, and `node_workdir`, are the same shared file system (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage (`s3://`), its only shared medium. With it, a split trainer's ranks on other nodes read rank 0's start directory and write their optimizer shards into its checkpoint directory instead of fetching from storage and sending their shards to rank 0 (an optimisation, never a requirement)."""
+    """Declare that a `file://` `storage.url`, and `node_workdir`, are the same shared file system
+    (NFS, Lustre, ...) at the same path on every node. Without it a cluster needs object storage
+    (`s3://`), its only shared medium. With it, a split trainer's ranks on other nodes read rank 0's
+    start directory and write their optimizer shards into its checkpoint directory instead of
+    fetching from storage and sending their shards to rank 0 (an optimisation, never a requirement)."""
     node_workdir: str | None = None
     """Local directory on each node for the roles' caches (fetched weights) and logs. None = `workdir` resolved to an absolute path on the flow's machine, which every node must be able to create."""
     train_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """How a split trainer's ranks (`trainer.world_size` > 1, one `cluster.train` bundle each) spread over nodes: Ray's placement-group strategy. `STRICT_SPREAD` puts every rank on a node of its own, `STRICT_PACK` all on one. A rank on another node than rank 0 fetches the start version from storage, and a tensor or pipeline parallel one sends its optimizer shard to rank 0 at each save (over gloo: that costs the shard's size in rank 0's memory and network)."""
+    """How a split trainer's ranks (`trainer.world_size` > 1, one `cluster.train` bundle each)
+    spread over nodes: Ray's placement-group strategy. `STRICT_SPREAD` puts every rank on a node of
+    its own, `STRICT_PACK` all on one. A rank on another node than rank 0 fetches the start version
+    from storage, and a tensor or pipeline parallel one sends its optimizer shard to rank 0 at each
+    save (over gloo: that costs the shard's size in rank 0's memory and network)."""
     placement_timeout_s: float = Field(600.0, gt=0)
-    """How long a role's task may wait for a node that offers its placement (at the start, or after its node was lost) before the run stops with one line. A placement no node of the cluster offers at all is refused at once."""
+    """How long a role's task may wait for a node that offers its placement (at the start, or after
+    its node was lost) before the run stops with one line. A placement no node of the cluster offers
+    at all is refused at once."""
     env: dict[str, str] = {}
     """Environment variables for the role processes on the nodes (besides Sluice's own: the Prefect API, telemetry off), e.g. AWS credentials."""
     rollout: RolePlacement = RolePlacement()

@@ -1,6 +1,6 @@
 """A config's nested dict before validation: read from a YAML file, then changed by
 `--set key.sub=value` overrides (a name TRL or verl gives a knob is translated, with one
-line on stderr: infra/peer_names.py); and the one line a config that fails validation gets."""
+line on stderr: infra/config/peer_names.py); and the one line a config that fails validation gets."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from sluice.infra.peer_names import PeerNameError, peer_suggestion, resolve_peer_name, say_once
+from sluice.infra.config.peer_names import (
+    PeerNameError,
+    peer_suggestion,
+    resolve_peer_name,
+    say_once,
+)
 from sluice.infra.secrets import REDACTED, redact_text
 
 

@@ -1,5 +1,4 @@
-"""Config of the policy model (`model`, `model.tiny`, `model.supervised`), beside
-`infra/config.py` so that module stays readable."""
+"""The `model` section: the policy model (`model`, `model.tiny`, `model.supervised`)."""
 
 from __future__ import annotations
 
@@ -7,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sluice.infra.problem_config import Section as _Section
+from sluice.infra.config.section import Section
 
 
-class SupervisedConfig(_Section):
+class SupervisedConfig(Section):
     """A supervised pass on the training prompts' reference answers before RL (SFT, then RL).
 
     Group-relative RL sharpens what the policy already samples: a prompt no sample of
@@ -22,7 +21,9 @@ class SupervisedConfig(_Section):
     """
 
     minutes: float = Field(0.0, ge=0)
-    """Wall-clock minutes of the pass, spent inside `trainer.time_budget_s` (which counts from the flow's start); 0 = no pass. For a user's model (`model.path`); the embedded tiny model has `model.warm_start`."""
+    """Wall-clock minutes of the pass, spent inside `trainer.time_budget_s` (which counts from the
+    flow's start); 0 = no pass. For a user's model (`model.path`); the embedded tiny model has
+    `model.warm_start`."""
     max_steps: int | None = Field(None, ge=1)
     """Stop the pass after this many optimizer steps if `minutes` has not run out first (TRL SFTTrainer's `max_steps`); None = the clock alone."""
     lr: float = Field(5e-5, gt=0)
@@ -31,7 +32,7 @@ class SupervisedConfig(_Section):
     """Rows per optimizer step (verl's SFT `data.train_batch_size`); each step is cut into micro-batches of at most `trainer.max_tokens_per_micro_batch` tokens, which does not change its gradient."""
 
 
-class TinyModelConfig(_Section):
+class TinyModelConfig(Section):
     """Shape of the embedded tiny policy, built from a config when no model path is given."""
 
     arch: Literal["llama", "qwen2"] = "llama"
@@ -56,7 +57,7 @@ class TinyModelConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The policy: a local Hugging Face directory, or the embedded tiny model."""
 
     path: str | None = None
@@ -64,15 +65,24 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the embedded tiny model (ignored when `path` is set)."""
     chat_template: Literal["auto", "always", "never"] = "auto"
-    """How a prompt becomes tokens. `auto`: through the tokenizer's chat template when it has one (a chat model: the prompt is one user message, followed by the opening of the assistant's turn), else the plain text. `always`: the template, and a model without one fails at start. `never`: the plain text (a base model, or to measure what the template is worth)."""
+    """How a prompt becomes tokens. `auto`: through the tokenizer's chat template when it has one (a
+    chat model: the prompt is one user message, followed by the opening of the assistant's turn),
+    else the plain text. `always`: the template, and a model without one fails at start. `never`:
+    the plain text (a base model, or to measure what the template is worth)."""
     system_prompt: str | None = None
-    """System message before the prompt when the chat template is used. None keeps the template's own default (SmolLM2's adds "You are a helpful AI assistant named SmolLM..."); "" sends an empty one."""
+    """System message before the prompt when the chat template is used. None keeps the template's
+    own default (SmolLM2's adds "You are a helpful AI assistant named SmolLM..."); "" sends an empty
+    one."""
     shipped_policy: bool = True
-    """Start from the warm-started policy that ships with Sluice when the tiny shape and task match it (the default's do), so no warm start runs on your clock. False, or any other shape or task, falls back to `warm_start`."""
+    """Start from the warm-started policy that ships with Sluice when the tiny shape and task match
+    it (the default's do), so no warm start runs on your clock. False, or any other shape or task,
+    falls back to `warm_start`."""
     warm_start: bool = True
     """Run a short supervised pass on the built-in task when no warm checkpoint is cached (embedded model only, when the shipped policy does not apply)."""
     warm_start_max_steps: int = Field(2500, ge=1)
-    """Optimizer steps of the warm start at most. Seeded, the warm start stops on accuracy at the same step on any machine; this caps a run that never gets there (the default reaches 30% at step 2300, ~9 min on a quiet 2-core CPU)."""
+    """Optimizer steps of the warm start at most. Seeded, the warm start stops on accuracy at the
+    same step on any machine; this caps a run that never gets there (the default reaches 30% at step
+    2300, ~9 min on a quiet 2-core CPU)."""
     warm_start_eval_every: int = Field(100, ge=1)
     """Warm-start steps between greedy held-out checks of the stopping accuracy (each check costs ~3 s on 2 cores)."""
     warm_start_max_minutes: float = Field(15.0, gt=0)
