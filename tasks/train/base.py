@@ -37,8 +37,8 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.system_metrics import SystemMetrics, start_system_metrics
 from sluice.tasks.process.following_ranks import join, start_following_ranks
 from sluice.tasks.process.ray_ranks import RankStart
-from sluice.tasks.process.trainer_factory import build_rank_trainer
 from sluice.tasks.role import Role
+from sluice.tasks.run.control import INCARNATION_FILE, LEASE_FILE
 from sluice.tasks.run.paths import filesystem, read_json, write_json
 from sluice.tasks.run.retention import Retention
 from sluice.tasks.run.versions import (
@@ -49,6 +49,7 @@ from sluice.tasks.run.versions import (
     write_base_reference,
     write_consumed,
 )
+from sluice.tasks.train.factory import build_rank_trainer
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -121,10 +122,6 @@ def staleness_counts(table: pa.Table, policy_version: int, max_staleness: int) -
     return {f"staleness/count_lag_{k}": float(n) for k, n in enumerate(counts)}
 
 
-TRAINER_LEASE = "trainer.lease.json"
-"""Control-dir document of the run's trainer lease."""
-INCARNATION_FILE = "trainer.incarnation.json"
-"""Control-dir document: the incarnation r the newest trainer start took."""
 LEASE_TTL_S = 60.0
 """A dead trainer's lease expires this long after its last renewal (a restart on the
 same host takes it over at once)."""
@@ -159,7 +156,7 @@ class TrainingRole(Role):
         """Hold the run's trainer lease (`LeaseHeld` if a live trainer has it), renewed
         in the background until the role ends; and, with it, sample the machine's system
         metrics into the MLflow run (one trainer a run, so one monitor a run)."""
-        fs, path = filesystem(self.config, f"{self.paths.control}/{TRAINER_LEASE}")
+        fs, path = filesystem(self.config, f"{self.paths.control}/{LEASE_FILE}")
         self.lease = StorageLease(
             fs, path, what=f"the trainer lease of run {self.run_id}", ttl_s=LEASE_TTL_S
         )

@@ -4,7 +4,7 @@ Per step k: train the B prompt groups the rollout role issued as numbers kB..kB+
 (read from the scored stream in whatever order they finished), compute group
 advantages, recompute π_prox and run the decoupled PPO step (sluice.engines.rl.trainer). Every
 `publish_every` steps the weights are published as the next policy version: servable at
-once, durable at the cadence of `checkpoint.*` (tasks/publisher.py); the shards that
+once, durable at the cadence of `checkpoint.*` (tasks/train/publisher.py); the shards that
 went into it are acknowledged once a durable version covers them.
 
 Why by issue number and not by arrival: the staleness gate admitted group n only while
@@ -40,7 +40,6 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.tasks.process.ray_ranks import RankStart
-from sluice.tasks.publisher import Publisher
 from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
 from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
@@ -52,14 +51,15 @@ from sluice.tasks.run.versions import (
     read_consumed,
     read_next_group,
 )
-from sluice.tasks.train_watchdog import StepWatch, stop_line
-from sluice.tasks.training import (
+from sluice.tasks.train.base import (
     TrainingRole,
     advantage_fn,
     build_trainer,
     reward_shaping,
     staleness_counts,
 )
+from sluice.tasks.train.publisher import Publisher
+from sluice.tasks.train.watchdog import StepWatch, stop_line
 
 log = logging.getLogger("sluice.train")
 LOST_CHECK_INTERVAL_S = 5.0
@@ -231,7 +231,7 @@ class TrainRole(TrainingRole):
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
     ) -> None:
         """Publish version `version`, which trained `consumed`: servable at once, durable
-        at the cadence (tasks/publisher.py). On the critical path: one copy of the
+        at the cadence (tasks/train/publisher.py). On the critical path: one copy of the
         weights (and, for a durable version, the optimizer state)."""
         if self.publisher is None:
             self.publisher = Publisher(self, self.reader, self.local_root, version - 1)

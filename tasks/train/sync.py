@@ -37,7 +37,7 @@ from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import fetch_reference, save_version, save_version_later
-from sluice.tasks.training import (
+from sluice.tasks.train.base import (
     TrainingRole,
     advantage_fn,
     build_trainer,
