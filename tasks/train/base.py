@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from sluice.engines.rl.lineage import LostAfter
 from sluice.engines.rl.reward_shaping import overlong_penalty
 from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
+from sluice.engines.rl.watchdog import Firing
 from sluice.infra.checkpoints import canonical_url, save_checkpoint
 from sluice.infra.config import RunConfig
 from sluice.infra.failpoints import failpoint
@@ -37,7 +38,7 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.system_metrics import SystemMetrics, start_system_metrics
 from sluice.tasks.process.following_ranks import join, start_following_ranks
 from sluice.tasks.process.ray_ranks import RankStart
-from sluice.tasks.role import Role
+from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, Role
 from sluice.tasks.run.control import INCARNATION_FILE, LEASE_FILE
 from sluice.tasks.run.paths import filesystem, read_json, write_json
 from sluice.tasks.run.retention import Retention
@@ -50,6 +51,7 @@ from sluice.tasks.run.versions import (
     write_consumed,
 )
 from sluice.tasks.train.factory import build_rank_trainer
+from sluice.tasks.train.watchdog import StepWatch, stop_line
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -324,6 +326,16 @@ class TrainingRole(Role):
         if self._retention is None:
             self._retention = Retention(self.config, self.paths, self.registry)
         return self._retention
+
+    def stop_for_watchdog(self, firing: Firing, watch: StepWatch) -> NoReturn:
+        """End the role on a watchdog `stop`, once what the role holds is settled: one
+        line names the signal and the newest durable version, where a resume goes on
+        (the flow raises it as WatchdogStopped)."""
+        latest = self.registry.newest_durable()
+        self.status.update(force=True, state="stopped", **watch.status())
+        last_good = latest.policy_version if latest is not None else 0
+        log.error(f"train stops: {WATCHDOG_MARK}%s", stop_line(firing, last_good))
+        raise SystemExit(EXIT_WATCHDOG)
 
     def finish(self, version: int) -> None:
         """The run's done marker once the last step is trained; the final status either way."""
