@@ -224,7 +224,7 @@ def format_status(
             f"{_pct(rollout.get('idle_ratio'))} (held by the staleness gate)",
         ),
     ]
-    if "newest_durable_version" in train:  # servable before durable (tasks/publisher.py)
+    if "newest_durable_version" in train:  # servable before durable (tasks/train/publisher.py)
         rows.append(
             (
                 "versions",

@@ -160,9 +160,9 @@ def evaluate(
     checkpoints and the registry); None means flows/configs/default.yaml. `version` None
     evaluates the newest committed version.
     """
-    # sluice.tasks.evaluate imports torch: importing it here lets `sluice eval` reject a missing
+    # sluice.tasks.evaluate.role imports torch: importing it here lets `sluice eval` reject a missing
     # version (flows/cli.py) in about a second.
-    from sluice.tasks.evaluate import evaluate_version
+    from sluice.tasks.evaluate.role import evaluate_version
 
     config = take_secrets(config or load_config("default"), run_id)  # flows/run_secrets.py
     logger = get_run_logger()

@@ -41,9 +41,9 @@ from sluice.infra.config.staleness import describe_mode
 from sluice.infra.extras import check_extras
 from sluice.infra.tracking import log_config, start_or_resume_run
 from sluice.tasks.process.servers import planned_servers, serve_inference
-from sluice.tasks.run.control import RunControl
+from sluice.tasks.run.control import RunControl, write_start
 from sluice.tasks.run.credential import mint_run_token, run_token
-from sluice.tasks.run.paths import ROLES, run_paths, run_registry, write_start
+from sluice.tasks.run.paths import ROLES, run_paths, run_registry
 from sluice.tasks.run.prepare import prepare_policy
 from sluice.tasks.run.report import publish_summary
 from sluice.tasks.run.status import flow_reporter

@@ -3,7 +3,7 @@
 ``ServerContainers`` starts N server containers on host networking, each on its own
 port of the host's loopback, waits until every one answers ``/health``, restarts one
 whose container exited (same command, same port: the rollout role brings it back to
-the served weights, see ``tasks/rollout.py``), and removes them all at the end.
+the served weights, see ``tasks/rollout/role.py``), and removes them all at the end.
 
 Weights reach a server as paths: the starting model when it starts, and each newer
 policy version through ``/update_weights_from_disk``, which names a directory in the

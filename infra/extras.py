@@ -73,7 +73,7 @@ def needed_extras(config: RunConfig) -> list[tuple[str, str]]:
     if config.servers.launch == "docker":  # infra/docker_servers.py
         needed.append(("servers.launch=docker", "docker"))
     # Only the `code` verifier runs code; `auto` falls back to the process sandbox
-    # without the docker package, as without an engine (tasks/reward.py: code_sandbox).
+    # without the docker package, as without an engine (tasks/sandbox.py: code_sandbox).
     if config.reward.sandbox == "docker" and config.reward.verifier == "code":
         needed.append(("reward.sandbox=docker", "docker"))
     return needed

@@ -1,5 +1,5 @@
 """Worker processes for calls that may hang or crash: the reward role's verifiers
-(`tasks/reward.py`) and the rollout role's user tools (`tasks/tool_runner.py`).
+(`tasks/reward/role.py`) and the rollout role's user tools (`tasks/tool_runner.py`).
 
 `CallPool` runs calls in spawned processes on pebble's ProcessPool, which gives each
 call its own deadline and replaces only the worker a call was stuck in or killed:

@@ -142,8 +142,8 @@ class ToolBox:
     @classmethod
     def for_run(cls, config: RunConfig) -> ToolBox:
         """The run's tools, ``python`` in the sandbox `reward.sandbox` chooses (the
-        `code` verifier's: `sluice.tasks.reward.code_sandbox`)."""
-        from sluice.tasks.reward import code_sandbox
+        `code` verifier's: `sluice.tasks.sandbox.code_sandbox`)."""
+        from sluice.tasks.sandbox import code_sandbox
 
         episode = config.episode
         sandbox = code_sandbox(config, for_tools=True)
@@ -185,7 +185,7 @@ def episode_spec(config: RunConfig, tokenizer: Any) -> EpisodeSpec:
 def plain_tool(config: RunConfig) -> ToolFn:
     """The run's tools as one plain function of a call's text, in this process (the
     warm start's held-out check: a few hundred calls, no worker pool)."""
-    from sluice.tasks.reward import code_sandbox
+    from sluice.tasks.sandbox import code_sandbox
 
     functions: dict[str, ToolFn] = {}
     for spec in config.episode.tools:

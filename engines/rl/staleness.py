@@ -19,7 +19,7 @@ A group that runs much longer than the ones started after it finishes after them
 Taking groups in finishing order would train it later than i + eta (AReaL has the
 same gap); Sluice's trainer instead builds batch k from the groups issued as numbers
 kB .. kB+B-1, whatever order they finish in, which keeps the bound for every group
-(tasks/train.py). :meth:`StalenessGate.overdue` lists groups in flight past the bound.
+(tasks/train/role.py). :meth:`StalenessGate.overdue` lists groups in flight past the bound.
 
 **Restarts** (AReaL #1345/#1388). A gate that restarts from zero would admit
 (i + eta + 1) * B groups at once. :meth:`StalenessGate.resume` re-bases the count from

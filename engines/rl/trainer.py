@@ -98,7 +98,7 @@ class PolicyTrainer(LogprobPasses):
     """Called, then cleared, before the next optimizer step, the only place the weights
     and optimizer state change: a copy of them that reads the live tensors while the
     next step's pi_prox, forward and backward run holds training there until it is done
-    (tasks/publisher.py). Seconds waited: ``train/update_fence_wait_s``."""
+    (tasks/train/publisher.py). Seconds waited: ``train/update_fence_wait_s``."""
     _fence_wait_s = 0.0
 
     def __init__(

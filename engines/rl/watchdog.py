@@ -29,7 +29,7 @@ enter that signal's history, so a climb is measured against the healthy baseline
 instead of being absorbed into it.
 
 Pure bookkeeping over plain floats; the train role decides what a firing does
-(tasks/train_watchdog.py).
+(tasks/train/watchdog.py).
 """
 
 from __future__ import annotations

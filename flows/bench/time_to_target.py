@@ -211,7 +211,7 @@ class ScoredRun:
 
     def score(self, version: int) -> float:
         if version not in self.scores:
-            from sluice.tasks.evaluate import evaluate_checkpoint
+            from sluice.tasks.evaluate.role import evaluate_checkpoint
 
             metrics = evaluate_checkpoint(
                 self.config, self.run_id, version, self.checkpoints[version]
@@ -439,7 +439,7 @@ def bench_time_to_target(
     report_dir: str | None = None,
 ) -> dict[str, Any]:
     """Run every contender once per seed, score them afterwards, print the table."""
-    from sluice.tasks.evaluate import evaluate_model_dir
+    from sluice.tasks.evaluate.role import evaluate_model_dir
 
     logger = get_run_logger()
     chosen = choose(list(CONTENDERS), list(contenders or TIME_TO_TARGET_DEFAULT), "contender")

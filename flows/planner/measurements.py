@@ -26,7 +26,7 @@ from sluice.infra.tracking import get_metric_history
 from sluice.tasks.run.paths import ROLLOUTS, run_paths, run_registry
 from sluice.tasks.run.status import read_statuses
 from sluice.tasks.run.threads import role_threads
-from sluice.tasks.train import BATCH_POLL_S
+from sluice.tasks.train.role import BATCH_POLL_S
 
 MAX_SHARDS = 60
 """Newest rollout shards read for the length distribution."""

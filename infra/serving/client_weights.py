@@ -3,7 +3,7 @@ group formed with the trainer's sender, the buckets it broadcasts, and tensor ha
 mapped on the server's host.
 
 Kept apart from the generation client: the rollout role alone uses these, on the fast
-weight paths (tasks/rollout_transfer.py), and both halves stay small enough to read.
+weight paths (tasks/rollout/transfer.py), and both halves stay small enough to read.
 """
 
 from __future__ import annotations

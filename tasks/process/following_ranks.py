@@ -1,6 +1,6 @@
 """The following ranks (1..N-1) of a Megatron trainer split over several processes: child
 processes the train role starts on its machine, or Ray actors (tasks/process/ray_ranks.py);
-each builds its trainer with tasks/process/trainer_factory.py.
+each builds its trainer with tasks/train/factory.py.
 
 The role process is rank 0 (``sluice.engines.megatron.lockstep.LockstepTrainer`` leads). Ranks
 1..N-1 are fresh interpreters (spawned: the role process has threads and torch state
@@ -24,7 +24,7 @@ import torch
 from sluice.infra.config.run import RunConfig
 from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_ranks import TRAIN_GROUP_ENV, RankStart, RayRanks
-from sluice.tasks.process.trainer_factory import build_rank_trainer
+from sluice.tasks.train.factory import build_rank_trainer
 
 PR_SET_PDEATHSIG = 1
 

@@ -1,6 +1,6 @@
 """The built-in inference server as a child process of the rollout role.
 
-Kept apart from tasks/rollout.py, whose imports (MLflow, Arrow, a tokenizer) take
+Kept apart from tasks/rollout/role.py, whose imports (MLflow, Arrow, a tokenizer) take
 seconds: the rollout role starts the server first (`start_early`) so the server's own
 start-up overlaps everything else the roles do before the first prompt is generated.
 Every server asks for the run's token, read from its 0600 file (tasks/run/credential.py).
@@ -17,8 +17,9 @@ from sluice.infra.docker_servers import SLUICE_IMAGE, ServerSpec
 from sluice.infra.serving.client import InferenceClient
 from sluice.tasks.process.launcher import PYTHON, start_forked_or_fresh
 from sluice.tasks.process.ports import free_port
+from sluice.tasks.run.control import START_FILE
 from sluice.tasks.run.credential import run_token, token_path
-from sluice.tasks.run.paths import START_FILE, read_json, run_paths
+from sluice.tasks.run.paths import read_json, run_paths
 from sluice.tasks.run.threads import role_threads
 
 log = logging.getLogger("sluice.rollout")

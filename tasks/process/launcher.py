@@ -44,10 +44,10 @@ PRELOAD: tuple[str, ...] = (
     "pyarrow",
     "fsspec",
     "sluice.infra.serving.server",
-    "sluice.tasks.rollout",
-    "sluice.tasks.reward",
-    "sluice.tasks.train",
-    "sluice.tasks.sync",
+    "sluice.tasks.rollout.role",
+    "sluice.tasks.reward.role",
+    "sluice.tasks.train.role",
+    "sluice.tasks.train.sync",
 )
 """What the rollout, reward and train roles import anyway; the launcher imports it once.
 

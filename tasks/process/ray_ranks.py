@@ -103,7 +103,7 @@ class RankActor:
         import torch
 
         from sluice.engines.megatron.lockstep import follow
-        from sluice.tasks.process.trainer_factory import build_rank_trainer
+        from sluice.tasks.train.factory import build_rank_trainer
 
         config = RunConfig.model_validate_json(config_json)
         name_interface(node_address())

@@ -15,7 +15,7 @@ Two sides use the actors:
 - the rollout role (`ServerActors`): reads `servers.json`, and before each weight
   update asks every actor to fetch the version onto its node, then sends each server
   the path on its own node. A restarted server starts from the newest committed version;
-  the rollout role brings it to the version it serves (tasks/rollout.py,
+  the rollout role brings it to the version it serves (tasks/rollout/role.py,
   `recover_servers`), as for containers.
 
 A server listens on the address its node registered with Ray, not on every interface,
@@ -45,8 +45,9 @@ from sluice.infra.registry import CommittedVersion
 from sluice.tasks.process.inference_server import server_spec
 from sluice.tasks.process.ports import free_port
 from sluice.tasks.process.ray_ranks import NAMESPACE, RAY_ADDRESS_ENV, node_address
+from sluice.tasks.run.control import SERVERS_FILE
 from sluice.tasks.run.credential import verified_servers, write_run_token, write_signed_servers
-from sluice.tasks.run.paths import SERVERS_FILE, read_json, run_paths
+from sluice.tasks.run.paths import read_json, run_paths
 from sluice.tasks.run.versions import fetch_update
 
 log = logging.getLogger(__name__)

@@ -51,22 +51,22 @@ def main(argv: list[str] | None = None) -> int:
 def role_class(role: str) -> Any:
     """The `Role` subclass of `role`, imported only in the process that runs it."""
     if role == "rollout":
-        from sluice.tasks.rollout import RolloutRole
+        from sluice.tasks.rollout.role import RolloutRole
 
         return RolloutRole
     if role == "reward":
-        from sluice.tasks.reward import RewardRole
+        from sluice.tasks.reward.role import RewardRole
 
         return RewardRole
     if role == "train":
-        from sluice.tasks.train import TrainRole
+        from sluice.tasks.train.role import TrainRole
 
         return TrainRole
     if role == "sync":
-        from sluice.tasks.sync import SyncRole
+        from sluice.tasks.train.sync import SyncRole
 
         return SyncRole
-    from sluice.tasks.evaluate import EvaluateRole
+    from sluice.tasks.evaluate.role import EvaluateRole
 
     return EvaluateRole
 

@@ -32,13 +32,8 @@ from sluice.infra.serving.auth import (
     verify_document,
     write_token_file,
 )
-from sluice.tasks.run.paths import (
-    SERVERS_FILE,
-    launched_server_urls,
-    read_json,
-    run_paths,
-    write_launched_servers,
-)
+from sluice.tasks.run.control import SERVERS_FILE, launched_server_urls, write_launched_servers
+from sluice.tasks.run.paths import read_json, run_paths
 
 TOKEN_FILE = "run.token"
 """The credential's file name in the local run directory."""
@@ -95,6 +90,14 @@ def verified_server_urls(config: RunConfig, run_id: str) -> list[str]:
     return urls
 
 
+def handle_message(version: int, data: bytes) -> bytes:
+    """What the signature of a weight sender's handle covers: its bytes and the version
+    they hold, so an old version's signed handles cannot be passed off as a newer one's.
+    The train role's sender signs it and the rollout role checks it, so it is named here,
+    in neither room."""
+    return f"policy-version:{int(version)}:".encode() + data
+
+
 def _create_if_absent(path: Path, token: str) -> None:
     partial = private_partial(path, token.encode("ascii"))
     try:
@@ -109,6 +112,7 @@ def _create_if_absent(path: Path, token: str) -> None:
 __all__ = [
     "TOKEN_FILE",
     "CredentialError",
+    "handle_message",
     "mint_run_token",
     "run_token",
     "token_path",

@@ -1,7 +1,7 @@
 """Which policy versions the evaluation schedule scores: version 0, every
 `evaluation.every`-th version and the final one.
 
-Its own light module because two rooms read it: the evaluate role (tasks/evaluate.py),
+Its own light module because two rooms read it: the evaluate role (tasks/evaluate/role.py),
 which scores those versions, and retention (tasks/run/retention.py), which keeps their
 checkpoints until they are scored. Importing it loads no inference engine and no Prefect.
 """

@@ -14,10 +14,8 @@ import time
 from typing import Any
 
 from sluice.infra.config.run import RunConfig
+from sluice.tasks.run.control import FAILOVERS_FILE
 from sluice.tasks.run.paths import read_json, run_paths, write_json
-
-FAILOVERS_FILE = "failovers.json"
-"""Control document listing the run's trainer failovers, oldest first."""
 
 
 def _url(config: RunConfig, run_id: str) -> str:

@@ -25,13 +25,6 @@ if TYPE_CHECKING:
 ROLES = ("rollout", "reward", "train", "evaluate")
 ROLLOUTS, SCORED = "rollouts", "scored"
 """The two trajectory streams: generated groups, then the same groups with rewards."""
-START_FILE = "start.json"
-"""Control document naming the committed version the run (re)started from: the version
-the rollout role's servers load first, and a launched container again when restarted.
-The flow writes it once the run's starting version is committed (`write_start`)."""
-SERVERS_FILE = "servers.json"
-"""Control document naming the servers the run launched (`servers.launch: docker` or
-`ray`): their URLs, and for Ray the actors' names (`write_launched_servers`)."""
 
 
 @dataclass(frozen=True)
@@ -116,31 +109,3 @@ def read_json(config: RunConfig, url: str) -> dict[str, Any] | None:
         return json.loads(fs.cat_file(path))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def write_start(config: RunConfig, run_id: str, policy_version: int, checkpoint_uri: str) -> None:
-    """Tell the rollout role which committed version the run starts from."""
-    write_json(
-        config,
-        f"{run_paths(config, run_id).control}/{START_FILE}",
-        {"policy_version": policy_version, "checkpoint_uri": checkpoint_uri},
-    )
-
-
-def write_launched_servers(config: RunConfig, run_id: str, urls: list[str], **more: Any) -> None:
-    """Tell the rollout role where the run's launched servers answer (`more`: what else
-    it needs of them, such as the names of their Ray actors)."""
-    write_json(
-        config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}", {"urls": urls, **more}
-    )
-
-
-def launched_server_urls(config: RunConfig, run_id: str) -> list[str]:
-    """The URLs of the servers the flow launched for this run (`servers.launch: docker`)."""
-    document = read_json(config, f"{run_paths(config, run_id).control}/{SERVERS_FILE}")
-    if not document or not document.get("urls"):
-        raise RuntimeError(
-            f"servers.launch=docker but the run has no {SERVERS_FILE}: "
-            "the `train` flow launches the servers (the sync baseline does not)"
-        )
-    return [str(url) for url in document["urls"]]

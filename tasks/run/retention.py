@@ -35,8 +35,9 @@ from sluice.infra.config.run import RunConfig
 from sluice.infra.policy_version import PENDING, TAG_EVAL_REWARD, CommittedVersion
 from sluice.infra.registry import CheckpointRegistry
 from sluice.infra.storage import list_names
+from sluice.tasks.run.control import START_FILE
 from sluice.tasks.run.eval_schedule import should_evaluate
-from sluice.tasks.run.paths import START_FILE, RunPaths, read_json
+from sluice.tasks.run.paths import RunPaths, read_json
 
 log = logging.getLogger("sluice.retention")
 EVALUATED_TAG = TAG_EVAL_REWARD

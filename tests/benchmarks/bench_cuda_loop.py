@@ -2,7 +2,7 @@
 
 For a GPU machine that has PyTorch and transformers but not the orchestration stack
 (Prefect, MLflow): Sluice's own engine and trainer, set up as the config sets them,
-driven through the colocated loop of `sluice train --sync` (tasks/sync.py): generate
+driven through the colocated loop of `sluice train --sync` (tasks/train/sync.py): generate
 the step's B prompts x G responses, score them, build the trainer's samples from the
 scored batch, take one step, save the weights and load them into the engine. Every
 `--eval-every` steps the greedy accuracy on the config's held-out prompts.
@@ -35,8 +35,8 @@ from pathlib import Path
 
 def plan(config_name: str, model_dir: str, out: str, steps: int, overrides: list[str]) -> None:
     from sluice.infra.config.run import load_config
-    from sluice.tasks.process.trainer_factory import trainer_settings
     from sluice.tasks.prompts import PromptSource
+    from sluice.tasks.train.factory import trainer_settings
 
     config = load_config(config_name, [f"model.path={model_dir}", *overrides])
     source = PromptSource(config).use_policy(model_dir)

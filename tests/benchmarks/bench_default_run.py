@@ -72,7 +72,7 @@ def score_after(
     time since the command started, reward, greedy, length)."""
     from sluice.flows.run_dirs import absolute_store_settings, resolve_run
     from sluice.infra.config.run import load_config
-    from sluice.tasks.evaluate import evaluate_checkpoint
+    from sluice.tasks.evaluate.role import evaluate_checkpoint
     from sluice.tasks.run.paths import run_registry
 
     # Every seed's versions are scored on the same prompts with the same sampling

@@ -371,7 +371,7 @@ def free_disk(config: Any, run_id: str, version: int | None) -> None:
     import shutil
 
     from sluice.infra.checkpoints import delete_checkpoint
-    from sluice.tasks.evaluate import eval_weights_dir
+    from sluice.tasks.evaluate.role import eval_weights_dir
     from sluice.tasks.run.paths import run_paths
 
     for local in (
@@ -423,7 +423,7 @@ def bench_proximal(config: Any, seeds: int, out: str, tag: str) -> list[dict[str
     import torch
 
     from sluice.flows.bench.time_to_target import eval_config
-    from sluice.tasks.evaluate import evaluate_model_dir
+    from sluice.tasks.evaluate.role import evaluate_model_dir
 
     scoring = eval_config(config)
     start = evaluate_model_dir(scoring, Path(str(config.model.path)), 0)["eval/reward"]

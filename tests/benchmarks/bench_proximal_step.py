@@ -43,7 +43,7 @@ def main() -> None:
 
     from sluice.engines.rl.train_batch import TrainingSample
     from sluice.infra.config.run import load_config
-    from sluice.tasks.process.trainer_factory import build_rank_trainer
+    from sluice.tasks.train.factory import build_rank_trainer
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config, [f"model.path={args.model}", *args.overrides])

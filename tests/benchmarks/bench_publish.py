@@ -111,7 +111,7 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
     from sluice.engines.inference.engine import InferenceEngine
     from sluice.engines.rl.train_batch import TrainingSample
     from sluice.infra.config.run import RunConfig, load_config
-    from sluice.tasks.training import build_trainer
+    from sluice.tasks.train.base import build_trainer
 
     model = Path(params["model"])
     config = load_config(None, [f"model.path={model}", "device=cpu"])
@@ -152,11 +152,11 @@ def measure(params: dict[str, Any]) -> dict[str, Any]:
 def rollout_fetch(config: Any, cache_dir: Path) -> Any:
     """The rollout role's fetch of a version, in this tree or an older one."""
     try:
-        from sluice.tasks.rollout_weights import ServedWeights
+        from sluice.tasks.rollout.weights import ServedWeights
     except ImportError:  # a tree from before the role's weight handling had a module
         from types import SimpleNamespace
 
-        from sluice.tasks.rollout import RolloutRole
+        from sluice.tasks.rollout.role import RolloutRole
 
         rollout = SimpleNamespace(config=config, cache_dir=cache_dir)
         return lambda version: RolloutRole.fetch(rollout, version)  # type: ignore[arg-type]
@@ -172,7 +172,7 @@ def publish_and_serve(
     from sluice.infra.tracking import start_or_resume_run
     from sluice.tasks.run.paths import run_registry
     from sluice.tasks.run.prepare import ensure_version_zero
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     run_id = "bench"
     mlflow_run_id = start_or_resume_run(config.tracking.uri, "bench-publish", run_name=run_id)

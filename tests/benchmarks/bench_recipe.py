@@ -193,7 +193,7 @@ def score_run(scoring: Any, run: RecipeRun, started_at: float) -> None:
     """Score every version the run kept, deleting each checkpoint once scored; version 0
     goes last, since a LoRA run's later versions are adapters over it."""
     from sluice.infra.checkpoints import delete_checkpoint
-    from sluice.tasks.evaluate import evaluate_checkpoint
+    from sluice.tasks.evaluate.role import evaluate_checkpoint
     from sluice.tasks.run.paths import run_registry
 
     registry = run_registry(scoring, run.run_id)
@@ -227,7 +227,7 @@ def run_seed(
     from sluice.flows.train import train
     from sluice.infra.checkpoints import delete_checkpoint
     from sluice.infra.tracking import get_metric_history
-    from sluice.tasks.evaluate import eval_weights_dir
+    from sluice.tasks.evaluate.role import eval_weights_dir
     from sluice.tasks.run.paths import run_paths
 
     name = f"recipe-{label}-s{seed}"
@@ -318,7 +318,7 @@ def build_config(args: argparse.Namespace) -> tuple[Any, Any]:
 def print_ceiling(config: Any, k: int) -> None:
     """The start policy's pass@1 and pass@k on the held-out prompts, by term count."""
     from sluice.flows.bench.async_vs_sync import with_settings
-    from sluice.tasks.evaluate import evaluate_model_dir
+    from sluice.tasks.evaluate.role import evaluate_model_dir
 
     sampling = with_settings(
         config,
@@ -345,7 +345,7 @@ def print_ceiling(config: Any, k: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from sluice.tasks.evaluate import evaluate_model_dir
+    from sluice.tasks.evaluate.role import evaluate_model_dir
 
     args = parse_args(argv)
     config, scoring = build_config(args)

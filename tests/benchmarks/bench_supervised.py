@@ -123,7 +123,7 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from sluice.tasks.evaluate import evaluate_model_dir
+    from sluice.tasks.evaluate.role import evaluate_model_dir
 
     args = parse_args(argv)
     if not args.minutes > 0 or args.batch_size < 1 or not args.lr > 0:

@@ -111,7 +111,7 @@ def transfer_part(
     from transformers import AutoModelForCausalLM
 
     from sluice.engines.inference.loading import resolve_dtype
-    from sluice.tasks.weight_sender import WeightSender
+    from sluice.tasks.train.sender import WeightSender
 
     trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
     initial = {k: v.clone() for k, v in trainer.state_dict().items()}

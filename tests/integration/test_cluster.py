@@ -267,7 +267,7 @@ def server_processes(node) -> list[int]:  # noqa: ANN001 - a RayNode
 
 
 def launched_urls(config, run_id: str) -> list[str]:  # noqa: ANN001 - a RunConfig
-    from sluice.tasks.run.paths import launched_server_urls
+    from sluice.tasks.run.control import launched_server_urls
 
     return launched_server_urls(config, run_id)
 

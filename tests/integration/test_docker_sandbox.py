@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.docker]
 
 
 def test_the_code_verifier_scores_through_containers(sandbox) -> None:
-    from sluice.tasks.reward import VerifierPool
+    from sluice.tasks.reward.role import VerifierPool
 
     pool = VerifierPool("code", 2, 30.0, 1.0, 0.0, sandbox=sandbox)
     asserts = {"tests": "assert square(3) == 9\nassert square(-2) == 4"}
@@ -57,7 +57,7 @@ def test_containers_left_by_a_dead_owner_are_removed(sandbox) -> None:
 def test_auto_takes_containers_where_an_engine_answers(sandbox) -> None:
     from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import DockerSandbox
-    from sluice.tasks.reward import code_sandbox
+    from sluice.tasks.sandbox import code_sandbox
 
     chosen = code_sandbox(load_config("default", ["reward.verifier=code", "reward.sandbox_pool=1"]))
     assert isinstance(chosen, DockerSandbox)

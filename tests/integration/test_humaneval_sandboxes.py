@@ -36,7 +36,7 @@ def test_every_canonical_solution_scores_one_in_the_process_sandbox() -> None:
 
 
 def test_the_reward_pool_scores_humaneval_and_counts_unparsed_answers() -> None:
-    from sluice.tasks.reward import VerifierPool
+    from sluice.tasks.reward.role import VerifierPool
 
     row = rows_by_id()["HumanEval/53"]
     pool = VerifierPool("code", workers=1, timeout_s=20.0, correct=1.0, incorrect=0.0)
@@ -76,7 +76,7 @@ def test_humaneval_scores_alike_in_containers(sandbox) -> None:
 def test_a_humaneval_run_takes_containers_where_an_engine_answers(sandbox) -> None:
     from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import DockerSandbox
-    from sluice.tasks.reward import code_sandbox
+    from sluice.tasks.sandbox import code_sandbox
 
     config = load_config(
         None, ["problem.name=humaneval", "reward.verifier=code", "reward.sandbox_pool=1"]

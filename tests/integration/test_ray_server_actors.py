@@ -77,7 +77,7 @@ def test_server_actors_start_publish_prefetch_and_come_back_after_a_death(
     random_model_dir: Callable[..., Path],
 ) -> None:
     from sluice.tasks.process.ray_servers import RayServers, ServerActors
-    from sluice.tasks.run.paths import launched_server_urls
+    from sluice.tasks.run.control import launched_server_urls
 
     config = local_run_config(
         tmp_path,

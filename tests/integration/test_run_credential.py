@@ -38,7 +38,8 @@ from sluice.infra.serving.auth import (
 )
 from sluice.infra.serving.client import InferenceClient
 from sluice.infra.serving.server import ServerThread, create_app
-from sluice.tasks.rollout_transfer import FastPathFailed, FastWeights, sender_url_of
+from sluice.tasks.rollout.transfer import FastPathFailed, FastWeights, sender_url_of
+from sluice.tasks.run.control import SENDER_FILE, SERVERS_FILE
 from sluice.tasks.run.credential import (
     mint_run_token,
     run_token,
@@ -46,8 +47,8 @@ from sluice.tasks.run.credential import (
     verified_servers,
     write_signed_servers,
 )
-from sluice.tasks.run.paths import SERVERS_FILE, read_json, run_paths, write_json
-from sluice.tasks.weight_sender import SENDER_FILE, WeightSender
+from sluice.tasks.run.paths import read_json, run_paths, write_json
+from sluice.tasks.train.sender import WeightSender
 
 pytestmark = pytest.mark.integration
 

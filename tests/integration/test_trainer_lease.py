@@ -13,8 +13,8 @@ import pytest
 
 from sluice.infra.lease import LeaseHeld, StorageLease
 from sluice.infra.storage import open_filesystem
+from sluice.tasks.run.control import LEASE_FILE
 from sluice.tasks.run.paths import filesystem, run_paths
-from sluice.tasks.training import TRAINER_LEASE
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def test_a_second_train_process_on_a_held_run_is_refused(local_run_config, tmp_p
     config = local_run_config(tmp_path)
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(config.model_dump(mode="json")))
-    fs, path = filesystem(config, f"{run_paths(config, 'held').control}/{TRAINER_LEASE}")
+    fs, path = filesystem(config, f"{run_paths(config, 'held').control}/{LEASE_FILE}")
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with StorageLease(fs, path, what="the trainer lease of run held", ttl_s=6.0):
         second = subprocess.run(
@@ -48,7 +48,7 @@ def test_a_second_train_process_on_a_held_run_is_refused(local_run_config, tmp_p
 
 def test_the_lease_on_s3_refuses_a_second_claimant_and_passes_on_release(s3_root) -> None:
     root, options = s3_root
-    fs, path = open_filesystem(f"{root}/_control/{TRAINER_LEASE}", options)
+    fs, path = open_filesystem(f"{root}/_control/{LEASE_FILE}", options)
     first = StorageLease(fs, path, what="the trainer lease of run s3", ttl_s=3.0)
     first.acquire()
     with pytest.raises(LeaseHeld):

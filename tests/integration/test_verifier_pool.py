@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sluice.tasks.reward import VerifierPool
+from sluice.tasks.reward.role import VerifierPool
 
 pytestmark = pytest.mark.integration
 SPEC = "tests.integration.verifier_plugins:unruly"

@@ -1,5 +1,5 @@
 """Weights without files, over real loopback sockets: a trainer's sender
-(tasks/weight_sender.py) and Sluice's server (infra/serving/weight_routes.py) moving a
+(tasks/train/sender.py) and Sluice's server (infra/serving/weight_routes.py) moving a
 policy version by a gloo weight group or by shared-memory handles.
 
 Equivalence: a version that arrives by any path is served bit for bit as the same
@@ -30,7 +30,7 @@ import torch
 from sluice.engines.inference.engine import InferenceEngine
 from sluice.engines.inference.weight_sync import WeightGroup, unique_named_tensors
 from sluice.infra.serving.server import ServerThread, create_app
-from sluice.tasks.weight_sender import WeightSender
+from sluice.tasks.train.sender import WeightSender
 from tests.integration.conftest import stop_process_group
 
 pytestmark = pytest.mark.integration
@@ -338,7 +338,7 @@ def test_shared_memory_mapped_by_two_servers_is_released_once_the_sender_lets_go
     one_torch_thread: None, tiny_dir: Path, v1_state: dict[str, torch.Tensor], http: httpx.Client
 ) -> None:
     # The rollout fetches handles of their own for every server of the host: a handle
-    # is mapped once (tasks/rollout_transfer.py).
+    # is mapped once (tasks/rollout/transfer.py).
     before = _our_shm_files()
     servers = [_serve(tiny_dir, group_timeout_s=10) for _ in range(2)]
     sender = WeightSender(dtype=torch.float32, bucket_bytes=BUCKET_BYTES, group_timeout_s=10)

@@ -19,7 +19,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from sluice.tasks.weight_sender import WeightSender
+    from sluice.tasks.train.sender import WeightSender
 
     sender = WeightSender(
         dtype=torch.float32, bucket_bytes=int(bucket_bytes), group_timeout_s=float(timeout_s)

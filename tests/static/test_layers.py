@@ -1,6 +1,8 @@
 """The four layers import only downwards, through the one `sluice` package, the rooms of
-tasks/ keep to their own (a run's files import no role, and the process room imports a
-role only where it starts one), the sub-packages of engines/ import only the rooms their
+tasks/ keep to their own (a role's room imports no other role's, a run's files import no
+role, the process room enters a role's room only where it starts its process, a role's
+room is entered only through its interface, and no room uses another's private names),
+the sub-packages of engines/ import only the rooms their
 row of `ENGINE_ROOMS` names, and no module imports itself round a cycle.
 
 Read from the source (imports at module level and inside functions alike), so a
@@ -49,10 +51,37 @@ ALLOWED_ENGINE_IMPORTS_IN_INFRA = (
 )
 
 
-# The rooms inside tasks/ (docs/architecture.md). Directly under tasks/ sit the roles and
-# their satellites (rollout, rollout_refill, rollout_stats, rollout_weights, reward, train,
-# train_watchdog, training, sync, evaluate) and three modules they share, which are no
-# role: the shared role shape (role.py), the run's prompts and its tools.
+# The rooms inside tasks/ (docs/architecture.md, "The rooms of tasks/"): one package per
+# role, each holding the role and its satellites; the modules several roles share at the
+# root of tasks/; a run's files (run/) and starting processes (process/) below them.
+ROLE_ROOMS = (
+    "sluice.tasks.rollout",
+    "sluice.tasks.reward",
+    "sluice.tasks.train",
+    "sluice.tasks.evaluate",
+)
+SHARED = (
+    "sluice.tasks.role",
+    "sluice.tasks.prompts",
+    "sluice.tasks.tool_runner",
+    "sluice.tasks.call_pool",
+    "sluice.tasks.sandbox",
+)
+"""The modules at the root of tasks/: what several rooms use, which is no role's."""
+ROOM_INTERFACES: dict[str, tuple[str, ...]] = {
+    # The role, for the process that runs it.
+    "sluice.tasks.rollout": ("sluice.tasks.rollout.role",),
+    "sluice.tasks.reward": ("sluice.tasks.reward.role",),
+    # Both training roles, and the trainer a following rank builds (process/).
+    "sluice.tasks.train": (
+        "sluice.tasks.train.role",
+        "sluice.tasks.train.sync",
+        "sluice.tasks.train.factory",
+    ),
+    # The role, and the held-out evaluation the flows run without it.
+    "sluice.tasks.evaluate": ("sluice.tasks.evaluate.role",),
+}
+"""The only modules of a role's room that a module outside the room may import."""
 TASK_ROOMS: dict[str, tuple[str, ...]] = {
     # A run's files: read by every room of tasks/ and by the flows, so they import no
     # role (no role's imports ride along) and nothing that starts processes; preparing a
@@ -61,10 +90,28 @@ TASK_ROOMS: dict[str, tuple[str, ...]] = {
     # Starting and supervising the roles' processes: what it needs of a role is the
     # shared shape (role.py), where it is.
     "sluice.tasks.process": ("sluice.tasks.process", "sluice.tasks.run", "sluice.tasks.role"),
+    # What the roles share imports no role.
+    **{shared: ("sluice.tasks.run", *SHARED) for shared in SHARED},
+    # A role's room: itself, what is shared, a run's files, and the processes it starts
+    # (the rollout's servers, the trainer's following ranks); never another role's room.
+    **{room: (room, "sluice.tasks.run", "sluice.tasks.process", *SHARED) for room in ROLE_ROOMS},
 }
-"""What of `sluice.tasks` each sub-package of tasks/ may import (besides the package name)."""
-STARTS_ROLES = ("sluice.tasks.process.worker",)
-"""The modules of tasks/process that import the roles, because they start them."""
+"""What of `sluice.tasks` each room of tasks/ may import (besides the package name)."""
+ENTRANCES: dict[str, tuple[str, ...]] = {
+    # The entry point of a role process imports the role it starts.
+    "sluice.tasks.process.worker": (
+        "sluice.tasks.rollout.role",
+        "sluice.tasks.reward.role",
+        "sluice.tasks.train.role",
+        "sluice.tasks.train.sync",
+        "sluice.tasks.evaluate.role",
+    ),
+    # A split trainer's following ranks build the trainer the train role builds.
+    "sluice.tasks.process.following_ranks": ("sluice.tasks.train.factory",),
+    "sluice.tasks.process.ray_ranks": ("sluice.tasks.train.factory",),
+}
+"""The modules of tasks/process that enter a role's room, because they start its process,
+and the interface modules each may import beyond its room's row of `TASK_ROOMS`."""
 
 
 # The rooms of engines/ (its sub-packages, and its root modules by their own name), in
@@ -162,50 +209,164 @@ def test_layers_import_only_downwards():
     assert breaches == []
 
 
+def task_room(name: str) -> str | None:
+    """The room of tasks/ an import name lies in (None: outside tasks/, or the package)."""
+    return next((room for room in TASK_ROOMS if forbidden(name, (room,))), None)
+
+
 def task_room_breaches(modules: dict[str, set[str]]) -> list[str]:
     """`module imports name` for each import of `sluice.tasks` a room of tasks/ may not make."""
     breaches = []
     for module, imported in modules.items():
-        room = next((r for r in TASK_ROOMS if forbidden(module, (r,))), None)
-        if room is None or module in STARTS_ROLES:
+        room = task_room(module)
+        if room is None:
             continue
+        allowed = (*TASK_ROOMS[room], *ENTRANCES.get(module, ()))
         breaches += [
             f"{module} imports {name}"
             for name in imported
             if forbidden(name, ("sluice.tasks",))
             and name != "sluice.tasks"
-            and not forbidden(name, TASK_ROOMS[room])
+            and not forbidden(name, allowed)
         ]
     return breaches
 
 
 def test_the_rooms_of_tasks_import_no_role_but_where_one_is_started():
-    assert task_room_breaches(project_modules()) == []
+    breaches = task_room_breaches(project_modules())
+    assert breaches == [], "\n".join(breaches)
 
 
-def test_the_task_room_check_finds_a_breach():
+def interface_breaches(modules: dict[str, set[str]]) -> list[str]:
+    """`module imports name` for each import of a role's room from outside it (tasks/ or
+    the flows) that does not go through the room's interface (`ROOM_INTERFACES`)."""
+    breaches = []
+    for module, imported in modules.items():
+        for name in sorted(imported):
+            room = task_room(name)
+            if room not in ROOM_INTERFACES or forbidden(module, (room,)):
+                continue
+            if name != room and not forbidden(name, ROOM_INTERFACES[room]):
+                breaches.append(f"{module} imports {name}: not the interface of {room}")
+    return breaches
+
+
+def test_a_role_room_is_entered_only_through_its_interface():
+    breaches = interface_breaches(project_modules())
+    assert breaches == [], "\n".join(breaches)
+
+
+def private_names_of(path: Path) -> set[str]:
+    """The private names (`_x`) a module reaches in another module: imported by name
+    (`from m import _x`) or read off an imported module (`m._x`), as dotted names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound: dict[str, str] = {}
+    found: set[str] = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in _runtime_nodes(tree):
+        value = node.value if isinstance(node, ast.Attribute) else None
+        if isinstance(value, ast.Name) and value.id in bound:
+            found.add(f"{bound[value.id]}.{node.attr}")
+    found.update(bound.values())
+    return {name for name in found if is_private(name)}
+
+
+def is_private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def private_breaches(uses: dict[str, set[str]]) -> list[str]:
+    """`module uses name` for each private name of a room of tasks/ used from outside it."""
+    breaches = []
+    for module, names in uses.items():
+        for name in sorted(names):
+            room = task_room(name)
+            shared = name.startswith("sluice.tasks.") and name.count(".") >= 2
+            owner = room or (".".join(name.split(".")[:3]) if shared else None)
+            if owner is not None and not forbidden(module, (owner,)) and is_private(name):
+                breaches.append(f"{module} uses {name}, private to {owner}")
+    return breaches
+
+
+def test_no_room_of_tasks_uses_a_private_name_of_another():
+    uses = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            uses[module_name(path)] = private_names_of(path)
+    breaches = private_breaches(uses)
+    assert breaches == [], "\n".join(breaches)
+
+
+def test_the_task_room_checks_find_a_breach():
     breaches = task_room_breaches(
         {
-            "sluice.tasks.run.retention": {"sluice.tasks.evaluate", "sluice.tasks.run.paths"},
+            "sluice.tasks.run.retention": {"sluice.tasks.evaluate.role", "sluice.tasks.run.paths"},
             "sluice.tasks.run.paths": {"sluice.tasks.process.ports"},
             "sluice.tasks.process.servers": {
-                "sluice.tasks.rollout_weights.ServedWeights",
+                "sluice.tasks.rollout.weights.ServedWeights",
                 "sluice.tasks.role",
                 "sluice.tasks.run.paths",
             },
-            "sluice.tasks.process.worker": {"sluice.tasks.rollout", "sluice.tasks.sync"},
-            "sluice.tasks.training": {"sluice.tasks.process.trainer_factory"},
+            "sluice.tasks.process.worker": {"sluice.tasks.rollout.role", "sluice.tasks.train.sync"},
+            "sluice.tasks.process.ray_ranks": {"sluice.tasks.train.role"},
+            "sluice.tasks.rollout.transfer": {"sluice.tasks.train.sender.WeightSender"},
+            "sluice.tasks.train.base": {"sluice.tasks.train.factory", "sluice.tasks.prompts"},
+            "sluice.tasks.prompts": {"sluice.tasks.reward.role"},
         }
     )
     assert sorted(breaches) == [
-        "sluice.tasks.process.servers imports sluice.tasks.rollout_weights.ServedWeights",
+        "sluice.tasks.process.ray_ranks imports sluice.tasks.train.role",
+        "sluice.tasks.process.servers imports sluice.tasks.rollout.weights.ServedWeights",
+        "sluice.tasks.prompts imports sluice.tasks.reward.role",
+        "sluice.tasks.rollout.transfer imports sluice.tasks.train.sender.WeightSender",
         "sluice.tasks.run.paths imports sluice.tasks.process.ports",
-        "sluice.tasks.run.retention imports sluice.tasks.evaluate",
+        "sluice.tasks.run.retention imports sluice.tasks.evaluate.role",
+    ]
+    assert interface_breaches(
+        {
+            "sluice.flows.evaluate": {"sluice.tasks.evaluate.role.evaluate_version"},
+            "sluice.flows.train": {"sluice.tasks.train.publisher.Publisher"},
+            "sluice.tasks.train.role": {"sluice.tasks.train.publisher"},
+        }
+    ) == [
+        "sluice.flows.train imports sluice.tasks.train.publisher.Publisher: "
+        "not the interface of sluice.tasks.train"
+    ]
+    assert private_breaches(
+        {
+            "sluice.tasks.rollout.transfer": {"sluice.tasks.train.sender._held"},
+            "sluice.flows.train": {"sluice.tasks.run.paths._cached"},
+            "sluice.tasks.reward.role": {"sluice.tasks.call_pool._join"},
+            "sluice.tasks.train.role": {"sluice.tasks.train.base._x"},
+        }
+    ) == [
+        "sluice.tasks.rollout.transfer uses sluice.tasks.train.sender._held, "
+        "private to sluice.tasks.train",
+        "sluice.flows.train uses sluice.tasks.run.paths._cached, private to sluice.tasks.run",
+        "sluice.tasks.reward.role uses sluice.tasks.call_pool._join, "
+        "private to sluice.tasks.call_pool",
     ]
     # The rules name real modules: a renamed one would leave a rule that allows nothing.
     modules = project_modules()
-    for name in (*STARTS_ROLES, *TASK_ROOMS, *(a for r in TASK_ROOMS.values() for a in r)):
+    named = (
+        *(m for m in ENTRANCES),
+        *(a for row in ENTRANCES.values() for a in row),
+        *(a for row in ROOM_INTERFACES.values() for a in row),
+        *SHARED,
+        *ROLE_ROOMS,
+    )
+    for name in named:
         assert name in modules, name
+    # Every package of tasks/ is a room of the table, so a new one gets a row, not a pass.
+    packages = {m for m in modules if m.count(".") == 2 and m.startswith("sluice.tasks.")}
+    assert packages - set(SHARED) == {room for room in TASK_ROOMS if room not in SHARED}
 
 
 def test_every_module_imports_sluice_by_its_package_name():

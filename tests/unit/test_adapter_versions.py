@@ -14,7 +14,7 @@ from sluice.engines.policy.model import load_policy_dir
 from sluice.infra.checkpoints import read_manifest, save_checkpoint
 from sluice.infra.config.run import RunConfig, load_config
 from sluice.infra.registry import CommittedVersion
-from sluice.tasks.rollout_weights import ServedWeights
+from sluice.tasks.rollout.weights import ServedWeights
 from sluice.tasks.run.versions import fetch_model_uri, write_base_reference
 from tests.unit.synthetic import SHIPPED
 from tests.unit.test_lora import logits, samples, trainer

@@ -9,7 +9,7 @@ import torch
 
 from sluice.engines.rl import trainer_files
 from sluice.infra.config.run import load_config
-from sluice.tasks.training import build_trainer
+from sluice.tasks.train.base import build_trainer
 
 
 def digests(root: Path) -> dict[str, str]:

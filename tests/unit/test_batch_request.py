@@ -22,7 +22,7 @@ from sluice.engines.inference.types import GenerationRequest, SamplingParams
 from sluice.engines.rl.groups import sample_seed
 from sluice.infra.serving.client import InferenceClient
 from sluice.infra.serving.server import create_app
-from sluice.tasks.rollout import request_groups
+from sluice.tasks.rollout.role import request_groups
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,7 +36,7 @@ def engine_of(model_dir: Path) -> InferenceEngine:
 
 
 def sync_batch(engine: InferenceEngine, groups: list[int]) -> list[tuple[list[int], list[float]]]:
-    """What tasks/sync.py's step does: B x G seeded requests, in (group, sample) order."""
+    """What tasks/train/sync.py's step does: B x G seeded requests, in (group, sample) order."""
     requests = [
         GenerationRequest(PROMPTS[g], SamplingParams(**SAMPLING, seed=sample_seed(SEED, g, j)))
         for g in groups

@@ -9,7 +9,7 @@ import torch
 
 from sluice.engines.policy.model import resolve_device
 from sluice.infra.config.run import load_config
-from sluice.tasks.evaluate import evaluate_model_dir
+from sluice.tasks.evaluate.role import evaluate_model_dir
 
 SHIPPED = (
     Path(__file__).resolve().parents[2]

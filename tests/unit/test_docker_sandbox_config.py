@@ -30,7 +30,7 @@ def test_auto_falls_back_to_the_process_sandbox_and_docker_refuses_without_an_en
 ):
     from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import SandboxUnavailable
-    from sluice.tasks.reward import code_sandbox
+    from sluice.tasks.sandbox import code_sandbox
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-engine.sock'}")
     code = ["reward.verifier=code"]
@@ -49,7 +49,7 @@ def test_the_python_tool_takes_the_code_verifiers_sandbox_choice(tmp_path, monke
     sandbox; a run without the python tool starts no sandbox for tools."""
     from sluice.infra.config.run import load_config
     from sluice.infra.docker_sandbox import SandboxUnavailable
-    from sluice.tasks.reward import code_sandbox
+    from sluice.tasks.sandbox import code_sandbox
     from sluice.tasks.tool_runner import ToolBox
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-engine.sock'}")

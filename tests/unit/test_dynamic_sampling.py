@@ -15,7 +15,7 @@ from sluice.infra.config.run import load_config
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.infra.streams.writer import StreamWriter
-from sluice.tasks.rollout_refill import UninformativeGroups
+from sluice.tasks.rollout.refill import UninformativeGroups
 from tests.unit.test_group_batches import ref, scenario_rows
 
 

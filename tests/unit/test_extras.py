@@ -155,7 +155,7 @@ from sluice.flows.train_sync import train_sync
 from sluice.infra.config.overrides import ConfigError
 from sluice.infra.config.run import load_config
 from sluice.infra.docker_sandbox import SandboxUnavailable
-from sluice.tasks.reward import code_sandbox
+from sluice.tasks.sandbox import code_sandbox
 
 here = ["workdir={tmp_path}", "storage.url=file://{tmp_path}/runs"]
 result = {{}}

@@ -13,8 +13,8 @@ import pytest
 
 from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving.client import InferenceClient
-from sluice.tasks.rollout_transfer import FastWeights
-from sluice.tasks.rollout_weights import ServedWeights
+from sluice.tasks.rollout.transfer import FastWeights
+from sluice.tasks.rollout.weights import ServedWeights
 
 
 def closed_port() -> int:

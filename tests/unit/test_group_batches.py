@@ -29,7 +29,7 @@ from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.infra.streams.schema import table_from_rows
 from sluice.infra.streams.writer import StreamWriter
-from sluice.tasks.train import lost_groups
+from sluice.tasks.train.role import lost_groups
 
 
 def ref(name: str, groups: int = 1) -> ShardRef:

@@ -1,7 +1,7 @@
 """A training run's metrics where their tools look: `metrics.jsonl`, staleness buckets,
 the lag histogram and MLflow's system metrics.
 
-The real train role (tasks/train.py) trains a tiny policy for two steps on scored
+The real train role (tasks/train/role.py) trains a tiny policy for two steps on scored
 shards written to a real stream, with a real sqlite MLflow run, then is resumed for a
 third: `metrics.jsonl` holds one line per step with exactly the keys and values MLflow
 holds for that step (and its timestamp), the resumed run appends, the per-lag counts
@@ -34,7 +34,7 @@ from sluice.infra.tracking import (
 )
 from sluice.tasks.run.metrics_file import loggable, metrics_file
 from sluice.tasks.run.report import STALENESS_HISTOGRAM_ARTIFACT, log_staleness_histogram
-from sluice.tasks.training import staleness_counts
+from sluice.tasks.train.base import staleness_counts
 
 ETA = 2
 FIRST_TOKEN_VERSION = {0: 0, 1: 0, 2: 0, 3: 1, 4: 0, 5: 1}
@@ -72,7 +72,7 @@ class Run:
 
 
 def train(config: RunConfig, mlflow_run_id: str, tiny_dir: Path | None) -> None:
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     role = TrainRole(config, "run", mlflow_run_id)
     if tiny_dir is not None:

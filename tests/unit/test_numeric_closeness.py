@@ -13,7 +13,7 @@ from sluice.engines.env.problems.reasoning_gym import ReasoningGymProblem
 from sluice.engines.env.verifiers import VerifierSpecError, load_verifier, outcome_of
 from sluice.infra.config.overrides import ConfigError
 from sluice.infra.config.run import load_config
-from sluice.tasks.reward import VerifierPool
+from sluice.tasks.reward.role import VerifierPool
 
 TWO_TERMS = {"settings": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}}
 

@@ -6,8 +6,8 @@ import torch
 
 from sluice.infra.config.overrides import ConfigError
 from sluice.infra.config.run import load_config
-from sluice.tasks.process.trainer_factory import trainer_settings
-from sluice.tasks.training import reward_shaping
+from sluice.tasks.train.base import reward_shaping
+from sluice.tasks.train.factory import trainer_settings
 
 
 def test_every_objective_key_reaches_the_trainer_settings():

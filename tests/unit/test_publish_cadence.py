@@ -1,4 +1,4 @@
-"""Servable before durable (tasks/publisher.py): every published version is registered
+"""Servable before durable (tasks/train/publisher.py): every published version is registered
 as soon as the servers can get it, every N-th one also becomes durable, shards are acked
 only once a durable version covers them, and a slow store makes versions skip
 durability instead of holding training up. Real trainer, sqlite MLflow, files, streams.
@@ -18,8 +18,8 @@ from sluice.infra.checkpoints import CheckpointIncomplete, read_manifest, verify
 from sluice.infra.config.run import RunConfig
 from sluice.infra.failpoints import ENV
 from sluice.infra.streams.reader import StreamReader
-from sluice.tasks.publisher import Publisher
 from sluice.tasks.run.versions import read_consumed
+from sluice.tasks.train.publisher import Publisher
 
 from .test_publish_layout import batch, local_path, make_trainer, scored_shard, start_run
 

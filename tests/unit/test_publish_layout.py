@@ -77,7 +77,7 @@ def scored_shard(config: RunConfig, index: int) -> object:
 
 
 def start_run(config: RunConfig, tiny_dir: Path):
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     role = TrainRole(config, "run", mlflow_run_id="")
     role.registry.commit(0, save_checkpoint(tiny_dir, role.paths.checkpoint(0)))
@@ -183,7 +183,7 @@ def test_an_old_layout_version_still_resumes_and_its_readers_skip_the_trainer_st
 def test_the_reward_role_reads_the_tokenizer_and_never_a_weight_file(
     local_run_config, tmp_path, tiny_dir, storage
 ):
-    from sluice.tasks.reward import RewardRole
+    from sluice.tasks.reward.role import RewardRole
 
     overrides = [] if storage == "file" else [f"storage.url=memory://tok-{tmp_path.name}"]
     config = local_run_config(tmp_path, *overrides)

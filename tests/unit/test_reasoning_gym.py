@@ -261,7 +261,7 @@ def test_the_verifier_stops_a_slow_task_at_its_deadline(row, monkeypatch):
 
 
 def test_the_reward_pool_scores_and_counts_in_spawned_workers(row):
-    from sluice.tasks.reward import VerifierPool
+    from sluice.tasks.reward.role import VerifierPool
 
     # A row whose entry takes minutes to generate (200 terms of 20 digits): the worker
     # is stuck inside reasoning-gym, and only the pool's deadline gets the batch back.

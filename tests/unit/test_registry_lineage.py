@@ -139,7 +139,7 @@ def test_a_durable_retry_of_a_pending_version_marks_it_durable(registry, tmp_pat
 
 SERVABLE_READERS = {
     # The staleness gate: the rollout reloads when the servable alias moves.
-    ("tasks/rollout.py", "maybe_update_weights"),
+    ("tasks/rollout/role.py", "maybe_update_weights"),
     # Whether a version a reader could not fetch was overtaken (it then takes the newest).
     ("tasks/run/versions.py", "superseded"),
     # Bookkeeping that fetches no bytes: the run id and mode tag a measurement reads.

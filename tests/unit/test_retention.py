@@ -29,7 +29,7 @@ def config(local_run_config: Callable[..., RunConfig], tmp_path: Path) -> RunCon
 
 @pytest.fixture
 def role(config):
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     return TrainRole(config, "run", mlflow_run_id="")
 
@@ -94,7 +94,7 @@ def test_retention_keeps_newest_pinned_and_unevaluated_versions_and_deletes_the_
 def test_the_version_a_run_restarted_from_stays_while_newer_ones_come_and_go(
     config, role, tmp_path
 ):
-    from sluice.tasks.run.paths import write_start
+    from sluice.tasks.run.control import write_start
 
     publish(role, tmp_path, 0)
     role.registry.set_tag(0, "eval.reward", "0.1")
@@ -112,7 +112,7 @@ def test_the_version_a_run_restarted_from_stays_while_newer_ones_come_and_go(
 def test_keep_versions_zero_keeps_every_policy_but_only_the_newest_two_trainer_states(
     local_run_config, tmp_path
 ):
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     config = local_run_config(tmp_path, "storage.keep_versions=0")
     role = TrainRole(config, "run", mlflow_run_id="")
@@ -163,7 +163,7 @@ def test_the_evaluate_role_never_meets_a_version_retention_let_go(
 ):
     from sluice.infra.checkpoints import delete_checkpoint, save_checkpoint
     from sluice.infra.tracking import get_metric_history, start_or_resume_run
-    from sluice.tasks.evaluate import EvaluateRole
+    from sluice.tasks.evaluate.role import EvaluateRole
     from sluice.tasks.run.paths import read_json
 
     config = local_run_config(

@@ -217,7 +217,7 @@ def test_a_generated_group_becomes_one_row_per_response_keyed_by_its_issue_numbe
 
 
 def test_rollout_stats_count_responses_that_span_a_weight_update():
-    from sluice.tasks.rollout_stats import RolloutStats
+    from sluice.tasks.rollout.stats import RolloutStats
 
     stats = RolloutStats()
     stats.record_group(
@@ -257,7 +257,7 @@ def test_scoring_fills_the_reward_column_in_row_order_from_the_decoded_responses
 
 
 def test_the_built_in_verifier_scores_inline_without_a_worker_pool():
-    from sluice.tasks.reward import VerifierPool
+    from sluice.tasks.reward.role import VerifierPool
 
     pool = VerifierPool("builtin", workers=1, timeout_s=1.0, correct=1.0, incorrect=-1.0)
     row = {"prompt_id": "p", "prompt": "3+4=", "answer": "7", "task": "longtail_sum"}
@@ -314,7 +314,7 @@ def _checkpoint(tmp_path: Path, config: RunConfig, policy_version: int, consumed
 def test_a_restarted_trainer_repairs_a_lagging_alias_and_acks_what_that_version_consumed(
     config, tmp_path, monkeypatch
 ):
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     writer = StreamWriter(config.storage.url, "run", "scored", writer_id="reward")
     shards = [
@@ -352,7 +352,7 @@ class Prompts:
 
 
 def test_a_sync_step_asks_its_b_groups_g_times_each_with_seeded_samples(config):
-    from sluice.tasks.sync import sample_seed, step_requests
+    from sluice.tasks.train.sync import sample_seed, step_requests
 
     config.trainer.prompts_per_batch, config.rollout.group_size, config.seed = 2, 3, 7
     source = Prompts()
@@ -410,7 +410,7 @@ def test_held_out_metrics_split_sampled_from_greedy_responses():
 
 
 def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(config):
-    from sluice.tasks.evaluate import eval_requests, eval_seed
+    from sluice.tasks.evaluate.role import eval_requests, eval_seed
 
     config.evaluation.samples, config.seed = 2, 3
     requests = eval_requests(config, [[1], [2]], 0.7, with_greedy=True, stop_token_ids=(2,))
@@ -422,7 +422,7 @@ def test_evaluation_requests_are_seeded_per_prompt_and_sample_then_one_greedy(co
 
 
 def test_evaluation_picks_version_zero_every_nth_and_the_last_and_never_falls_behind(config):
-    from sluice.tasks.evaluate import choose_target
+    from sluice.tasks.evaluate.role import choose_target
     from sluice.tasks.run.eval_schedule import should_evaluate
 
     config.trainer.total_steps, config.evaluation.every = 10, 4
@@ -440,7 +440,7 @@ def test_evaluation_passes_over_a_version_whose_weights_were_deleted_and_counts_
 ):
     from sluice.infra.checkpoints import save_checkpoint
     from sluice.infra.tracking import get_metric_history, start_or_resume_run
-    from sluice.tasks.evaluate import EvaluateRole
+    from sluice.tasks.evaluate.role import EvaluateRole
     from sluice.tasks.run.paths import read_json, run_paths
 
     config.trainer.total_steps, config.evaluation.every = 2, 1
@@ -480,7 +480,7 @@ def test_a_signal_is_seen_without_reading_storage_but_the_done_marker_is_not(con
 def test_a_stop_ends_training_before_a_batch_that_is_already_complete(config):
     """The time budget's done marker stops the trainer at the next step, not after every
     batch that had finished by then (those would be trained past the budget)."""
-    from sluice.tasks.train import TrainRole
+    from sluice.tasks.train.role import TrainRole
 
     writer = StreamWriter(config.storage.url, "run", "scored", writer_id="reward")
     for i in range(2 * config.trainer.prompts_per_batch):  # batches 0 and 1, complete

@@ -104,7 +104,7 @@ def test_launcher_settings_that_cannot_work_are_refused(tmp_path, sets, message)
 
 
 def test_the_rollout_role_names_a_missing_server_document(tmp_path) -> None:
-    from sluice.tasks.run.paths import launched_server_urls, write_launched_servers
+    from sluice.tasks.run.control import launched_server_urls, write_launched_servers
 
     config = _config(tmp_path, "servers.launch=docker")
     with pytest.raises(RuntimeError, match="the `train` flow launches the servers"):

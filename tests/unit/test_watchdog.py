@@ -11,7 +11,7 @@ import torch
 from sluice.engines.rl.watchdog import SIGNALS, MismatchWatchdog, blocking, signal_rule
 from sluice.infra.config.overrides import ConfigError
 from sluice.infra.config.run import load_config
-from sluice.tasks.train_watchdog import StepWatch, build_watchdog, stop_line
+from sluice.tasks.train.watchdog import StepWatch, build_watchdog, stop_line
 from tests.unit.test_trainer import make_trainer, random_samples
 
 

@@ -67,7 +67,7 @@ def test_the_rollout_gives_up_a_fast_path_that_keeps_failing(tmp_path):
     import asyncio
 
     from sluice.infra.serving.client import InferenceClient
-    from sluice.tasks.rollout_transfer import GIVE_UP_AFTER, FastPathFailed, FastWeights
+    from sluice.tasks.rollout.transfer import GIVE_UP_AFTER, FastPathFailed, FastWeights
 
     config = load_config("default", [f"storage.url=file://{tmp_path}/store"])
     fast = FastWeights(config, "no-such-run", "shared_memory", "gloo")

@@ -44,15 +44,16 @@ from sluice.infra.serving.auth import sign_document
 from sluice.infra.streams.names import ShardRef
 from sluice.tasks.process.ray_servers import private_address
 from sluice.tasks.run.cadence import Decision, cadence_of, must_be_durable
+from sluice.tasks.run.control import SENDER_FILE
 from sluice.tasks.run.credential import run_token
 from sluice.tasks.run.paths import write_json
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import SavedVersion, save_version, save_version_later
-from sluice.tasks.weight_sender import SENDER_FILE, WeightSender
+from sluice.tasks.train.sender import WeightSender
 
 if TYPE_CHECKING:
     from sluice.infra.streams.reader import StreamReader
-    from sluice.tasks.training import TrainingRole
+    from sluice.tasks.train.base import TrainingRole
 
 log = logging.getLogger("sluice.train")
 Snapshot = tuple[SavedVersion, Callable[[], None] | None, dict[str, Any] | None]

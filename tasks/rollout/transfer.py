@@ -1,8 +1,8 @@
 """The rollout role's side of the fast weight paths (`servers.weight_transfer`).
 
 The registry decides which version the servers load (the alias, under the staleness
-bound: tasks/rollout.py); this module only moves the bytes of a version the registry has
-committed, from the trainer's sender (tasks/weight_sender.py) to every server:
+bound: tasks/rollout/role.py); this module only moves the bytes of a version the registry has
+committed, from the trainer's sender (tasks/train/sender.py) to every server:
 
 - `shared_memory`: the sender's handles to its copy go in one
   ``/update_weights_from_tensor`` per server, which maps them (same host only).
@@ -43,9 +43,9 @@ from sluice.infra.serving.auth import (
     verify_document,
 )
 from sluice.infra.serving.client import InferenceClient, InferenceServerError
-from sluice.tasks.run.credential import run_token
+from sluice.tasks.run.control import SENDER_FILE
+from sluice.tasks.run.credential import handle_message, run_token
 from sluice.tasks.run.paths import read_json, run_paths
-from sluice.tasks.weight_sender import SENDER_FILE, handle_message
 
 log = logging.getLogger("sluice.rollout")
 

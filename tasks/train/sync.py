@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,6 @@ from sluice.engines.rl.groups import sample_seed
 from sluice.engines.rl.samples import (
     batch_rows,
     batch_table,
-    samples_from_table,
-    staleness_stats,
 )
 from sluice.engines.rl.trainer_files import ADAPTER_DIR
 from sluice.infra.config.run import RunConfig
@@ -37,13 +36,11 @@ from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.threads import Background
 from sluice.tasks.run.versions import fetch_reference, save_version, save_version_later
-from sluice.tasks.training import (
+from sluice.tasks.train.base import (
     TrainingRole,
-    advantage_fn,
     build_trainer,
-    reward_shaping,
-    staleness_counts,
 )
+from sluice.tasks.train.steps import StepBook
 
 SYNC_STATES = ("start", "generate", "score", "proximal", "train", "publish", "reload")
 """Where the colocated role's time goes (tasks/run/state_timer.py): setup, generating a
@@ -93,6 +90,15 @@ class SyncRole(TrainingRole):
     thread_role = "sync"
     finished_note = " (sync)"
 
+    def keep_newest(
+        self, trainer: Any, local_root: Path, version: int, last_durable_version: int
+    ) -> None:
+        """A clean stop keeps the newest published version: the trainer still holds its
+        weights, so one not yet durable is saved and committed."""
+        if last_durable_version < version and version % self.config.trainer.publish_every == 0:
+            saved = save_version(trainer, local_root / f"v{version:06d}", version)
+            self.commit_version(saved, version, {"mode": "sync"}, registered=True)
+
     def run(self) -> None:
         cfg = self.config
         timer = StateTimer(SYNC_STATES, initial="start")
@@ -122,8 +128,7 @@ class SyncRole(TrainingRole):
         trainer = build_trainer(
             cfg, model_dir, reference, start=RankStart(run_id=self.run_id, version=latest)
         )
-        advantages = advantage_fn(cfg)
-        shape_rewards = reward_shaping(cfg)
+        book = StepBook(cfg, self.mlflow_run_id)
         version = latest.policy_version
         background = Background("sync-metrics")
         durable = Background("sync-durable")
@@ -136,8 +141,7 @@ class SyncRole(TrainingRole):
             and cfg.trainer.backend == "torch"
             and cfg.trainer.world_size == 1
         )
-        started = time.monotonic()
-        generate_s = trained_tokens = 0.0
+        book.start(version)
         # (prompt, response) lengths of the newest samples: what the capacity planner
         # draws its workload from (the async roles' come from the rollouts stream).
         lengths: deque[tuple[int, int]] = deque(maxlen=SAMPLED_LENGTHS)
@@ -147,7 +151,7 @@ class SyncRole(TrainingRole):
             prompts, requests = step_requests(cfg, source, version)
             outputs = engine.generate(requests)  # returns when the longest response is done
             step_generate_s = time.monotonic() - t0
-            generate_s += step_generate_s
+            book.idle_s += step_generate_s  # the trainer waits while the engine generates
             lengths.extend((len(o.prompt_token_ids), len(o.output_token_ids)) for o in outputs)
             timer.enter("score")
             rewards = [
@@ -161,14 +165,24 @@ class SyncRole(TrainingRole):
             ]
             timer.enter("train")
             table = batch_table(batch_rows(prompts, outputs, rewards, version))
-            samples, stats = samples_from_table(
-                table, advantages, policy_version=version, shape_rewards=shape_rewards
-            )
-            stats.update(staleness_stats(table, version))
-            stats.update(staleness_counts(table, version, cfg.staleness.max_staleness))
-            metrics = trainer.train_step(samples) if samples else {}
-            timer.enter(OTHER)
-            timer.move("train", "proximal", metrics.get("train/proximal_time_s", 0.0))
+            samples, stats = book.batch(table, version)
+            metrics, firings, verdict = book.train(trainer, samples, version + 1, timer)
+            if verdict is not None and verdict.action == "stop":
+                background.submit(
+                    log_step_metrics,
+                    cfg,
+                    self.run_id,
+                    self.mlflow_run_id,
+                    book.stopped(metrics, stats, firings),
+                    version + 1,
+                )
+                background.close()
+                durable.close()
+                # A refused update leaves the tensors at `version`: it can be made durable.
+                if metrics.get("train/applied_minibatches", 1.0) <= 0:
+                    self.keep_newest(trainer, local_root, version, cadence.last_durable_version)
+                self.stop_for_watchdog(verdict, book.watch)
+            book.settle(metrics, table, firings, verdict)
             version += 1
             timer.enter("publish")
             # The same durability policy as the train role (tasks/run/cadence.py): a
@@ -189,6 +203,8 @@ class SyncRole(TrainingRole):
             if published:
                 cadence.published(version, time.monotonic(), decision)
             tags = {"reward_mean": f"{stats['reward/mean']:.4f}", "mode": "sync"}
+            if published:
+                tags.update(book.watch.take_tags())
             local = local_root / f"v{version:06d}"
             deferred = None
             if decision in ("durable", "wait") and cfg.trainer.background_save:
@@ -215,21 +231,11 @@ class SyncRole(TrainingRole):
                 durable.submit(self.commit_version, saved, version, tags)
             elif published:
                 background.submit(self.register_servable, version, tags)
-            trained_tokens += metrics.get("train/trained_tokens", 0.0)
-            elapsed = time.monotonic() - started
+            elapsed = book.rates(metrics, stats, self.last_commit_parts)
             longest = max(len(o.output_token_ids) for o in outputs)
             mean = float(np.mean([len(o.output_token_ids) for o in outputs]))
-            metrics.update(stats)
-            metrics.update(
-                {
-                    "train/effective_tokens_per_s": trained_tokens / elapsed,
-                    "train/wall_time_s": elapsed,
-                    "train/idle_ratio": generate_s / elapsed,  # the trainer waits while generating
-                    "rollout/longest_over_mean_length": longest / max(1.0, mean),
-                    "rollout/generate_time_s": step_generate_s,
-                    **self.last_commit_parts,  # train/commit_s and its parts
-                }
-            )
+            metrics["rollout/longest_over_mean_length"] = longest / max(1.0, mean)
+            metrics["rollout/generate_time_s"] = step_generate_s
             # The step's timeline (its states sum to `time/step_s`); the background
             # thread's write, upload and commit are outside it.
             metrics.update(timer.lap_metrics())
@@ -241,12 +247,7 @@ class SyncRole(TrainingRole):
                 log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
             self.status.update(
-                state="running",
-                step=version,
-                reward_mean=stats["reward/mean"],
-                staleness_mean=0.0,
-                trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
-                wall_time_s=elapsed,
+                **book.status(version, stats, metrics, elapsed),
                 engine_profile=engine.profile.as_dict(),
                 sampled_lengths=list(lengths),
                 **timer.report(),
@@ -254,10 +255,7 @@ class SyncRole(TrainingRole):
             )
         background.close()
         durable.close()
-        if cadence.last_durable_version < version and version % cfg.trainer.publish_every == 0:
-            # A clean stop keeps the newest version: the trainer still holds its weights.
-            saved = save_version(trainer, local_root / f"v{version:06d}", version)
-            self.commit_version(saved, version, {"mode": "sync"}, registered=True)
+        self.keep_newest(trainer, local_root, version, cadence.last_durable_version)
         trainer.close()
         engine.shutdown()
         self.finish(version)

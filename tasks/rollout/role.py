@@ -48,12 +48,12 @@ from sluice.tasks.process.inference_server import EmbeddedServer, embedded_serve
 from sluice.tasks.process.ray_servers import ServerActors
 from sluice.tasks.prompts import PromptSource
 from sluice.tasks.role import Role
-from sluice.tasks.rollout_groups import WrittenGroups, request_groups
-from sluice.tasks.rollout_refill import UninformativeGroups
-from sluice.tasks.rollout_sampling import GroupSampler
-from sluice.tasks.rollout_stats import RolloutStats
-from sluice.tasks.rollout_transfer import FastWeights
-from sluice.tasks.rollout_weights import ServedWeights
+from sluice.tasks.rollout.groups import WrittenGroups, request_groups
+from sluice.tasks.rollout.refill import UninformativeGroups
+from sluice.tasks.rollout.sampling import GroupSampler
+from sluice.tasks.rollout.stats import RolloutStats
+from sluice.tasks.rollout.transfer import FastWeights
+from sluice.tasks.rollout.weights import ServedWeights
 from sluice.tasks.run.credential import verified_server_urls
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.state_timer import OTHER

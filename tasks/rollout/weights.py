@@ -3,7 +3,7 @@
 Fetch first, while generation goes on (`stage`): one local copy every server reads, or
 with Ray server actors a copy on each actor's node. Then `load`: a full version through
 ``/update_weights_from_disk``, or without files when `servers.weight_transfer` gives a
-fast path (tasks/rollout_transfer.py: nothing is fetched, and a version the fast path
+fast path (tasks/rollout/transfer.py: nothing is fetched, and a version the fast path
 fails to deliver is fetched and loaded from disk then); a LoRA run's adapter version
 through SGLang's LoRA API
 (``/load_lora_adapter``, then every request names it in ``lora_path``), which Sluice's
@@ -25,8 +25,8 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.serving.client import InferenceClient, InferenceServerUnreachableError
 from sluice.infra.serving.versions import label_identity, update_label
 from sluice.tasks.process.ray_servers import RayServerLost, ServerActors
-from sluice.tasks.rollout_stats import RolloutStats
-from sluice.tasks.rollout_transfer import FastPathFailed, FastWeights
+from sluice.tasks.rollout.stats import RolloutStats
+from sluice.tasks.rollout.transfer import FastPathFailed, FastWeights
 from sluice.tasks.run.paths import read_json
 from sluice.tasks.run.versions import check_base, fetch_update
 

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pebble import ProcessExpired
 
-from sluice.engines.env import confinement
 from sluice.engines.env.verifiers import load_verifier, outcome_of
 from sluice.engines.rl.samples import score_table
 from sluice.infra.checkpoints import CheckpointIncomplete
@@ -32,6 +31,7 @@ from sluice.tasks.role import Role
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.state_timer import OTHER, StateTimer
 from sluice.tasks.run.versions import fetch_tokenizer
+from sluice.tasks.sandbox import code_sandbox
 
 log = logging.getLogger("sluice.reward")
 REWARD_STATES = ("start", "wait_data", "score", "write")
@@ -144,46 +144,6 @@ class VerifierPool:
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
-
-
-def code_sandbox(config: RunConfig, *, for_tools: bool = False) -> Any:
-    """The container sandbox the `code` verifier runs in, or None for the process one.
-
-    `reward.sandbox: auto` takes containers where the docker package (the `docker`
-    extra), an engine and the image are there, and says once why it does not otherwise;
-    `docker` insists (``SandboxUnavailable``; the CLI refuses it without the extra).
-    `for_tools`: the sandbox of the `python` tool (`episode.tools`), chosen by the same
-    `reward.sandbox` whatever the verifier, so tool calls run where code rewards do.
-    """
-    reward = config.reward
-    if reward.sandbox == "process":
-        if for_tools or reward.verifier == "code":
-            log.info("reward.sandbox=process: %s", confinement.probe().line())
-        return None
-    if for_tools and "python" not in config.episode.tools:
-        return None
-    if not for_tools and reward.verifier != "code":
-        return None
-    from sluice.infra.docker_sandbox import DockerSandbox, SandboxUnavailable
-
-    try:
-        return DockerSandbox(reward.sandbox_image, pool_size=reward.sandbox_pool)
-    except SandboxUnavailable as exc:
-        if reward.sandbox == "docker":
-            raise
-        controls = confinement.probe()
-        if not controls.complete:
-            raise SandboxUnavailable(
-                f"reward.sandbox=auto: {exc}; the process sandbox does not isolate here "
-                f"({controls.line()}); set reward.sandbox: process to run model code in it "
-                "anyway"
-            ) from exc
-        log.warning(
-            "reward.sandbox=auto: %s; running code in the process sandbox (%s)",
-            exc,
-            controls.line(),
-        )
-        return None
 
 
 class RewardRole(Role):

@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from sluice.engines.rl.lineage import LostAfter
 from sluice.engines.rl.reward_shaping import overlong_penalty
 from sluice.engines.rl.samples import RewardShaping
 from sluice.engines.rl.trainer import PolicyTrainer
+from sluice.engines.rl.watchdog import Firing
 from sluice.infra.checkpoints import canonical_url, save_checkpoint
 from sluice.infra.config.run import RunConfig
 from sluice.infra.failpoints import failpoint
@@ -37,8 +38,8 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.system_metrics import SystemMetrics, start_system_metrics
 from sluice.tasks.process.following_ranks import join, start_following_ranks
 from sluice.tasks.process.ray_ranks import RankStart
-from sluice.tasks.process.trainer_factory import build_rank_trainer
-from sluice.tasks.role import Role
+from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, Role
+from sluice.tasks.run.control import INCARNATION_FILE, LEASE_FILE
 from sluice.tasks.run.paths import filesystem, read_json, write_json
 from sluice.tasks.run.retention import Retention
 from sluice.tasks.run.versions import (
@@ -49,6 +50,8 @@ from sluice.tasks.run.versions import (
     write_base_reference,
     write_consumed,
 )
+from sluice.tasks.train.factory import build_rank_trainer
+from sluice.tasks.train.watchdog import StepWatch, stop_line
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -121,10 +124,6 @@ def staleness_counts(table: pa.Table, policy_version: int, max_staleness: int) -
     return {f"staleness/count_lag_{k}": float(n) for k, n in enumerate(counts)}
 
 
-TRAINER_LEASE = "trainer.lease.json"
-"""Control-dir document of the run's trainer lease."""
-INCARNATION_FILE = "trainer.incarnation.json"
-"""Control-dir document: the incarnation r the newest trainer start took."""
 LEASE_TTL_S = 60.0
 """A dead trainer's lease expires this long after its last renewal (a restart on the
 same host takes it over at once)."""
@@ -159,7 +158,7 @@ class TrainingRole(Role):
         """Hold the run's trainer lease (`LeaseHeld` if a live trainer has it), renewed
         in the background until the role ends; and, with it, sample the machine's system
         metrics into the MLflow run (one trainer a run, so one monitor a run)."""
-        fs, path = filesystem(self.config, f"{self.paths.control}/{TRAINER_LEASE}")
+        fs, path = filesystem(self.config, f"{self.paths.control}/{LEASE_FILE}")
         self.lease = StorageLease(
             fs, path, what=f"the trainer lease of run {self.run_id}", ttl_s=LEASE_TTL_S
         )
@@ -327,6 +326,16 @@ class TrainingRole(Role):
         if self._retention is None:
             self._retention = Retention(self.config, self.paths, self.registry)
         return self._retention
+
+    def stop_for_watchdog(self, firing: Firing, watch: StepWatch) -> NoReturn:
+        """End the role on a watchdog `stop`, once what the role holds is settled: one
+        line names the signal and the newest durable version, where a resume goes on
+        (the flow raises it as WatchdogStopped)."""
+        latest = self.registry.newest_durable()
+        self.status.update(force=True, state="stopped", **watch.status())
+        last_good = latest.policy_version if latest is not None else 0
+        log.error(f"train stops: {WATCHDOG_MARK}%s", stop_line(firing, last_good))
+        raise SystemExit(EXIT_WATCHDOG)
 
     def finish(self, version: int) -> None:
         """The run's done marker once the last step is trained; the final status either way."""

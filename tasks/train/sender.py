@@ -5,7 +5,7 @@ process.
 The train role calls `offer` right after a step it publishes: one copy of the weights
 (float32 → the serving dtype) into flat buckets, in shared memory on a CPU. That copy is
 all the trainer pays on its critical path; the durable checkpoint and the registry
-commit go on in the background as before (tasks/train.py). The rollout role reads this
+commit go on in the background as before (tasks/train/role.py). The rollout role reads this
 API only for a version the registry has committed (it gates; this process never pushes),
 and moves the bytes one of two ways:
 
@@ -57,17 +57,9 @@ from sluice.engines.inference.weight_sync import (
 )
 from sluice.infra.serving.auth import require_token, sign_bytes
 from sluice.infra.serving.weight_routes import is_same_host
+from sluice.tasks.run.credential import handle_message
 
 log = logging.getLogger("sluice.train")
-
-SENDER_FILE = "weight_sender.json"
-"""Control-dir document naming the sender's URL (written by the train role)."""
-
-
-def handle_message(version: int, data: bytes) -> bytes:
-    """What a handle's signature covers: its bytes and the version they hold, so an old
-    version's signed handles cannot be passed off as a newer one's."""
-    return f"policy-version:{int(version)}:".encode() + data
 
 
 @dataclass

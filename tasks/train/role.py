@@ -4,7 +4,7 @@ Per step k: train the B prompt groups the rollout role issued as numbers kB..kB+
 (read from the scored stream in whatever order they finished), compute group
 advantages, recompute π_prox and run the decoupled PPO step (sluice.engines.rl.trainer). Every
 `publish_every` steps the weights are published as the next policy version: servable at
-once, durable at the cadence of `checkpoint.*` (tasks/publisher.py); the shards that
+once, durable at the cadence of `checkpoint.*` (tasks/train/publisher.py); the shards that
 went into it are acknowledged once a durable version covers them.
 
 Why by issue number and not by arrival: the staleness gate admitted group n only while
@@ -31,7 +31,6 @@ import pyarrow as pa
 
 from sluice.engines.rl.groups import GroupBuffer, group_key
 from sluice.engines.rl.lineage import lost_groups as lineage_lost_groups
-from sluice.engines.rl.samples import samples_from_table, staleness_stats
 from sluice.engines.rl.train_batch import TrainingSample
 from sluice.engines.rl.trainer import PolicyTrainer
 from sluice.engines.rl.watchdog import Firing
@@ -40,8 +39,7 @@ from sluice.infra.registry import CommittedVersion
 from sluice.infra.streams.names import ShardRef, shard_key_tag
 from sluice.infra.streams.reader import StreamReader
 from sluice.tasks.process.ray_ranks import RankStart
-from sluice.tasks.publisher import Publisher
-from sluice.tasks.role import EXIT_WATCHDOG, WATCHDOG_MARK, StopRequested
+from sluice.tasks.role import StopRequested
 from sluice.tasks.run.metrics_file import log_step_metrics
 from sluice.tasks.run.paths import ROLLOUTS, SCORED
 from sluice.tasks.run.state_timer import OTHER, StateTimer
@@ -52,14 +50,12 @@ from sluice.tasks.run.versions import (
     read_consumed,
     read_next_group,
 )
-from sluice.tasks.train_watchdog import StepWatch, stop_line
-from sluice.tasks.training import (
+from sluice.tasks.train.base import (
     TrainingRole,
-    advantage_fn,
     build_trainer,
-    reward_shaping,
-    staleness_counts,
 )
+from sluice.tasks.train.publisher import Publisher
+from sluice.tasks.train.steps import StepBook
 
 log = logging.getLogger("sluice.train")
 LOST_CHECK_INTERVAL_S = 5.0
@@ -104,11 +100,10 @@ class TrainRole(TrainingRole):
         self.buffer: GroupBuffer[ShardRef] = GroupBuffer(
             config.trainer.prompts_per_batch, refill=config.trainer.dynamic_sampling
         )
-        self.advantages = advantage_fn(config)
-        self.shape_rewards = reward_shaping(config)
         self._rollouts: StreamReader | None = None
         self.background = Background("trainer-metrics")
-        self.watch = StepWatch(config, mlflow_run_id)
+        self.book = StepBook(config, mlflow_run_id)
+        self.watch = self.book.watch
         self.lineage_dropped = 0
         self.live: PolicyTrainer | None = None
         """The trainer of `run`, once built: a stop makes the version it holds durable."""
@@ -231,7 +226,7 @@ class TrainRole(TrainingRole):
         self, trainer: PolicyTrainer, version: int, consumed: list[ShardRef], tags: dict[str, Any]
     ) -> None:
         """Publish version `version`, which trained `consumed`: servable at once, durable
-        at the cadence (tasks/publisher.py). On the critical path: one copy of the
+        at the cadence (tasks/train/publisher.py). On the critical path: one copy of the
         weights (and, for a durable version, the optimizer state)."""
         if self.publisher is None:
             self.publisher = Publisher(self, self.reader, self.local_root, version - 1)
@@ -262,11 +257,7 @@ class TrainRole(TrainingRole):
         if self.publisher is not None:
             self.publisher.close()
             self.publisher.stop_sender()
-        latest = self.registry.newest_durable()
-        self.status.update(force=True, state="stopped", **self.watch.status())
-        last_good = latest.policy_version if latest is not None else 0
-        log.error(f"train stops: {WATCHDOG_MARK}%s", stop_line(firing, last_good))
-        raise SystemExit(EXIT_WATCHDOG)
+        self.stop_for_watchdog(firing, self.watch)
 
     def run(self) -> None:
         cfg = self.config
@@ -285,12 +276,10 @@ class TrainRole(TrainingRole):
         version = latest.policy_version
         total = cfg.trainer.total_steps
         B = cfg.trainer.prompts_per_batch
-        started = time.monotonic()
-        waited_total = 0.0
-        trained_tokens_total = 0.0
+        book = self.book
+        book.start(version)
         unpublished: list[ShardRef] = []
         extra_total = 0
-        self.watch.resume(version)
         log.info("training from policy version %d to %d (B=%d)", version, total, B)
         self.status.update(force=True, state="running", step=version)
         while version < total:
@@ -300,21 +289,14 @@ class TrainRole(TrainingRole):
             except StopRequested:
                 break
             self.timer.enter("train")
-            waited_total += waited
+            book.idle_s += waited
             if table is None:  # every group of this batch was lost: the version moves on
                 samples: list[TrainingSample] = []
                 stats = {
                     k: float("nan") for k in ("reward/mean", "staleness/mean", "staleness/max")
                 }
             else:
-                samples, stats = samples_from_table(
-                    table,
-                    self.advantages,
-                    policy_version=version,
-                    shape_rewards=self.shape_rewards,
-                )
-                stats.update(staleness_stats(table, version))
-                stats.update(staleness_counts(table, version, cfg.staleness.max_staleness))
+                samples, stats = book.batch(table, version)
             stats["train/lost_groups"] = float(len(lost))
             stats["train/lineage_dropped_groups"] = float(self.lineage_dropped)
             if self.buffer.refill:  # the cost of keeping B informative groups per batch
@@ -324,37 +306,19 @@ class TrainRole(TrainingRole):
                 stats["dynamic_sampling/extra_groups_per_batch"] = extra_total / (
                     version + 1 - latest.policy_version
                 )
-            guard = self.watch.guard(version + 1)
-            metrics = {}
-            if samples:
-                metrics = (
-                    trainer.train_step(samples, guard) if guard else trainer.train_step(samples)
-                )
-            # The step measured its π_prox pass: that part of its time is `proximal`.
-            self.timer.enter(OTHER)
-            self.timer.move("train", "proximal", metrics.get("train/proximal_time_s", 0.0))
-            firings, verdict = self.watch.settle(metrics, version + 1)
+            metrics, firings, verdict = book.train(trainer, samples, version + 1, self.timer)
             if verdict is not None and verdict.action == "stop":
-                stopped = {**metrics, **stats, **self.watch.step_metrics(firings)}
+                stopped = book.stopped(metrics, stats, firings)
                 self.background.submit(
                     log_step_metrics, cfg, self.run_id, self.mlflow_run_id, stopped, version + 1
                 )
                 # A refused update leaves the tensors at `version`: it can be made durable.
                 applied = metrics.get("train/applied_minibatches", 1.0) > 0
                 self.stop_on_watchdog(verdict, holds=None if applied else version)
-            if verdict is not None and table is not None:  # skip: the batch was left out
-                self.watch.skipped_groups += len(set(table.column("group_id").to_pylist()))
-            metrics.update(self.watch.step_metrics(firings))
+            book.settle(metrics, table, firings, verdict)
             version += 1
             unpublished.extend(refs)
-            if metrics.get("train/applied_minibatches", 1.0) > 0:  # a skipped batch trains none
-                trained_tokens_total += metrics.get("train/trained_tokens", 0.0)
-            elapsed = time.monotonic() - started
-            metrics.update(stats)
-            metrics["train/idle_ratio"] = waited_total / max(1e-9, elapsed)
-            metrics["train/effective_tokens_per_s"] = trained_tokens_total / max(1e-9, elapsed)
-            metrics["train/wall_time_s"] = elapsed
-            metrics.update(self.last_commit_parts)  # train/commit_s and its parts
+            elapsed = book.rates(metrics, stats, self.last_commit_parts)
             rollout_status = read_statuses(cfg, self.paths).get("rollout", {})
             for key in ("tokens_per_s", "idle_ratio", "partial_rollout_ratio", "weight_updates"):
                 if key in rollout_status:
@@ -394,14 +358,7 @@ class TrainRole(TrainingRole):
                 log_step_metrics, cfg, self.run_id, self.mlflow_run_id, metrics, version
             )
             self.status.update(
-                state="running",
-                step=version,
-                reward_mean=stats["reward/mean"],
-                staleness_mean=stats["staleness/mean"],
-                trained_tokens_per_s=metrics["train/effective_tokens_per_s"],
-                idle_ratio=metrics["train/idle_ratio"],
-                wall_time_s=elapsed,
-                **self.watch.status(),
+                **book.status(version, stats, metrics, elapsed),
                 **publisher.status(),
                 **cumulative,
                 step_timeline=timeline,
