@@ -19,7 +19,7 @@ does): ``pytest_collection_modifyitems`` puts each test file in a group of its o
 module's fixtures (a Ray cluster, an MLflow server, a warm sandbox) start once, and every
 test that drives the one Docker engine or a Ray instance in one group each, so two
 workers never build the same image or join each other's Ray cluster. The slowest groups
-go first, so neither worker is left with a long tail.
+are listed first (xdist then orders groups by how many tests they hold: docs/testing.md).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ SLOWEST_FIRST = (
     "tests/integration/test_resume_after_kill.py",
     "tests/static/test_static_checks.py",
 )
-"""Groups that take minutes on a 2-core box (docs/testing.md has the durations), started
+"""Groups that take minutes on a 2-core box (docs/testing.md has the durations), listed
 first; every other group follows in collection order."""
 
 
