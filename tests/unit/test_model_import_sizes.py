@@ -11,8 +11,6 @@ regression fails the test instead of taking the machine down).
 from __future__ import annotations
 
 import json
-import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -29,30 +27,35 @@ ADDRESS_SPACE_BYTES = 6 << 30  # torch and transformers import within it; the mo
 HUGE = {"layers": 512, "width": 32768, "vocab": 5}
 
 
+# The import runs as a child of a small launcher, not of this process: Linux carries a
+# process's peak RSS across exec, and a child forked from a test worker that has grown to
+# gigabytes starts with the worker's peak as its own. A child of a fresh interpreter
+# starts from that interpreter's few megabytes, so its peak is the import's.
+LAUNCHER = """
+import resource, subprocess, sys
+limit, peak_file, *command = sys.argv[1:]
+resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
+try:
+    code = subprocess.run(command, timeout=180).returncode
+except subprocess.TimeoutExpired:
+    code = 124
+with open(peak_file, "w") as out:
+    out.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(code)
+"""
+
+
 def _import(src: Path, dest: Path) -> tuple[subprocess.CompletedProcess[str], float, float]:
-    """Run `sluice model import`; (result, seconds, this child's own peak RSS in MiB)."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
-
+    """Run `sluice model import`; (result, seconds, the import's own peak RSS in MiB)."""
     command = [sys.executable, "-m", "sluice.flows.cli", "model", "import", str(src), str(dest)]
     started = time.monotonic()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(command, stdout=out, stderr=err, text=True, preexec_fn=limit)
-        while True:  # wait4: the rusage of this child alone, not of every earlier one
-            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - started > 180:
-                child.kill()
-                pid, status, usage = os.wait4(child.pid, 0)
-                break
-            time.sleep(0.05)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
-    return result, time.monotonic() - started, usage.ru_maxrss / 1024
+    with tempfile.TemporaryDirectory() as scratch:
+        peak_file = Path(scratch) / "peak_kib"
+        launcher = [sys.executable, "-c", LAUNCHER, str(ADDRESS_SPACE_BYTES), str(peak_file)]
+        done = subprocess.run([*launcher, *command], capture_output=True, text=True, timeout=240)
+        peak_kib = float(peak_file.read_text())
+    result = subprocess.CompletedProcess(command, done.returncode, done.stdout, done.stderr)
+    return result, time.monotonic() - started, peak_kib / 1024
 
 
 def _assert_refused(result, seconds: float, peak_mib: float, src: Path, dest: Path) -> None:
