@@ -116,11 +116,9 @@ def test_follow_prints_lines_as_they_are_appended_until_ctrl_c(local_run_config,
         wait_for("train restarted")
     finally:
         # Whether SIGINT reaches Python at all: a disposition inherited as ignored stays so.
-        dispositions = [
-            line
-            for line in Path(f"/proc/{follower.pid}/status").read_text().splitlines()
-            if line.startswith(("SigIgn", "SigCgt"))
-        ]
+        status = Path(f"/proc/{follower.pid}/status")
+        lines = status.read_text().splitlines() if follower.poll() is None else []
+        dispositions = [line for line in lines if line.startswith(("SigIgn", "SigCgt"))]
         follower.send_signal(signal.SIGINT)
         try:
             code = follower.wait(timeout=30)
