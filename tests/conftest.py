@@ -288,13 +288,11 @@ def local_run_config() -> Callable[..., RunConfig]:
 
 @pytest.fixture(scope="module")
 def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A sqlite MLflow store for one test module, its tables already created (that
-    costs seconds, so a module shares one store)."""
-    from sluice.infra.tracking import get_client
-
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-    get_client(uri)
-    return uri
+    """A sqlite MLflow store for one test module, its tables already created (a copy of
+    ``empty_mlflow_store()``)."""
+    store = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    copy_sqlite(empty_mlflow_store(), store)
+    return f"sqlite:///{store}"
 
 
 # ---------------------------------------------------------------- docker
